@@ -1,0 +1,1 @@
+"""What runs in serving: problems and buckets, platform detection, kernels, rules, the dispatcher."""

@@ -1,0 +1,1 @@
+"""One kernel per module; ``base`` holds the contract every kernel implements."""

@@ -1,0 +1,45 @@
+"""The correctness oracle: the MoE layer in float32, one expert at a time."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetune.runtime.kernels._math import activate
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.kernels.quant import dequantize
+from moetune.runtime.platform import SKU
+from moetune.runtime.problem import MoEProblem
+
+
+class ReferenceKernel(BaseKernel):
+    """Float32 math on dequantized weights; never a tuning candidate, always the yardstick."""
+
+    name = "reference"
+    candidate = False
+
+    @classmethod
+    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        return None
+
+    @classmethod
+    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        return None
+
+    @classmethod
+    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+        w13, w2 = dequantize(weights)
+
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+            xf = x.float()
+            out = torch.zeros_like(xf)
+            for e in topk_ids.unique().tolist():
+                tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
+                weight = topk_weights[tok, slot].float().unsqueeze(1)
+                inp = xf[tok] * weight if problem.router_weight_on_input else xf[tok]
+                y = activate(inp @ w13[e].T, problem) @ w2[e].T
+                out.index_add_(0, tok, y if problem.router_weight_on_input else y * weight)
+            return out.to(x.dtype)
+
+        return run

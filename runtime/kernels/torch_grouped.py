@@ -1,0 +1,64 @@
+"""Grouped GEMM through ``torch._grouped_mm``: permute tokens by expert, two grouped GEMMs, unpermute."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetune.runtime.kernels._math import activate
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import DType, MoEProblem
+
+
+class TorchGroupedKernel(BaseKernel):
+    """Two launches for all experts; the fastest torch path once experts see many tokens."""
+
+    name = "torch_grouped"
+
+    @classmethod
+    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if not hasattr(torch, "_grouped_mm"):
+            return f"torch {torch.__version__} has no _grouped_mm"
+        if sku.vendor is Vendor.NVIDIA and int(sku.arch.removeprefix("sm_")) < 90:
+            return f"_grouped_mm needs sm_90 or newer, device is {sku.arch}"
+        if sku.vendor is Vendor.AMD:
+            return "_grouped_mm is not built for ROCm here"
+        return None
+
+    @classmethod
+    def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if sku.vendor is Vendor.NVIDIA and problem.dtype is not DType.BFLOAT16:
+            return "_grouped_mm on CUDA takes bfloat16 only"
+        # cuBLAS grouped GEMM needs 16-byte aligned strides: 8 bf16 elements.
+        if sku.vendor is Vendor.NVIDIA and (problem.hidden_size % 8 or problem.intermediate_size % 8):
+            return "hidden and intermediate sizes must be multiples of 8 on CUDA"
+        return None
+
+    @classmethod
+    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+        w13_t = weights.w13.transpose(1, 2)  # (E, H, 2I): grouped_mm computes x @ w per group
+        w2_t = weights.w2.transpose(1, 2)  # (E, I, H)
+        num_experts = weights.w13.shape[0]
+        on_input = problem.router_weight_on_input
+
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+            topk = topk_ids.shape[1]
+            flat_ids = topk_ids.reshape(-1)
+            order = torch.argsort(flat_ids, stable=True)
+            offsets = torch.cumsum(torch.bincount(flat_ids, minlength=num_experts), 0)
+            offsets = offsets.to(torch.int32)
+            weight = topk_weights.reshape(-1)[order].unsqueeze(1)
+            inp = x[order // topk]
+            if on_input:
+                inp = (inp * weight).to(x.dtype)
+            h = activate(torch._grouped_mm(inp, w13_t, offs=offsets), problem)
+            y = torch._grouped_mm(h.to(x.dtype), w2_t, offs=offsets).float()
+            if not on_input:
+                y = y * weight
+            out = torch.empty_like(y)
+            out[order] = y
+            return out.view(-1, topk, x.shape[1]).sum(dim=1).to(x.dtype)
+
+        return run

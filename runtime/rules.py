@@ -1,0 +1,54 @@
+"""Rule-based selection: what serving picks without a table. One explicit function per platform.
+
+The rule's pick is also every bucket's baseline in tuning, so each winner carries its speedup
+over what users get today.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import MoEProblem, QuantScheme
+
+
+@dataclasses.dataclass(frozen=True)
+class RuleChoice:
+    kernel: str
+    params: dict[str, Any]
+    reason: str
+
+
+def cpu_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
+    """CPU: the plain per-expert torch loop."""
+    return RuleChoice("torch_loop", {}, "CPU rule: plain torch per-expert loop")
+
+
+def rocm_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
+    """ROCm, as vLLM's aiter integration decides (the seed rule):
+    block-scaled fp8 -> blockscale kernel; per-channel fp8 with the router weight on the input
+    and top-1 routing -> tkw1; everything else -> aiter's fused_moe."""
+    if problem.quant is QuantScheme.FP8_BLOCK_128X128:
+        return RuleChoice("aiter_asm_blockscale", {}, "ROCm rule: fp8 block 128x128 -> blockscale")
+    if (problem.quant is QuantScheme.FP8_PER_CHANNEL and problem.router_weight_on_input
+            and problem.topk == 1):
+        return RuleChoice("aiter_asm_tkw1", {}, "ROCm rule: fp8 per-channel, top-1, weight on input -> tkw1")
+    return RuleChoice("aiter_fused_moe", {}, "ROCm rule: aiter fused_moe")
+
+
+def cuda_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
+    """CUDA: vLLM's Triton fused-MoE path with its default config heuristic."""
+    return RuleChoice("torch_loop", {}, "CUDA rule: torch loop until the Triton kernels land")
+
+
+RULES: dict[Vendor, Callable[[MoEProblem, SKU], RuleChoice]] = {
+    Vendor.CPU: cpu_rule,
+    Vendor.NVIDIA: cuda_rule,
+    Vendor.AMD: rocm_rule,
+}
+
+
+def rule_choice(problem: MoEProblem, sku: SKU) -> RuleChoice:
+    """The rule-based pick for ``problem`` on ``sku``."""
+    return RULES[sku.vendor](problem, sku)
