@@ -1,0 +1,65 @@
+"""Storage: table files (one SQLite file per GPU SKU), their schema, migrations and file operations.
+
+Imports nothing from ``moetune.runtime`` or ``moetune.tuner`` (and no torch): ``db`` is the bottom
+layer. The code lives in the private modules; this module only re-exports.
+"""
+
+from moetune.db._copy import export_sqlite
+from moetune.db._files import TableFile, open_table, write_table
+from moetune.db._jsontext import dump_json, load_json
+from moetune.db._merge import MergeConflict, MergeReport, merge_tables
+from moetune.db._models import (
+    Base,
+    BucketRow,
+    Measurement,
+    MeasurementStatus,
+    RunStatus,
+    SkuRow,
+    TuningRun,
+    WinnerRow,
+)
+from moetune.db._read import TableSnapshot, WinnerRecord, read_measurements, read_winners
+from moetune.db._schema import HEAD_REVISION, alembic_config, schema_revision
+from moetune.db._tuning import (
+    add_measurement,
+    finish_run,
+    get_or_create_bucket,
+    get_or_create_sku,
+    measured,
+    set_winner,
+    start_run,
+)
+
+__all__ = [
+    "HEAD_REVISION",
+    "Base",
+    "BucketRow",
+    "Measurement",
+    "MeasurementStatus",
+    "MergeConflict",
+    "MergeReport",
+    "RunStatus",
+    "SkuRow",
+    "TableFile",
+    "TableSnapshot",
+    "TuningRun",
+    "WinnerRecord",
+    "WinnerRow",
+    "add_measurement",
+    "dump_json",
+    "alembic_config",
+    "export_sqlite",
+    "finish_run",
+    "get_or_create_bucket",
+    "get_or_create_sku",
+    "load_json",
+    "measured",
+    "merge_tables",
+    "open_table",
+    "read_measurements",
+    "read_winners",
+    "schema_revision",
+    "set_winner",
+    "start_run",
+    "write_table",
+]

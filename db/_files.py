@@ -1,0 +1,215 @@
+"""Opening table files, and writing them so a reader never sees one half-written.
+
+Serving reads tables that the tuner, ``export`` and ``merge`` replace; a crash or an error in the
+middle of a write must leave the previous file exactly as it was. ``write_table`` therefore works
+on a temporary file in the same directory and ``os.replace``s it into place only on success.
+"""
+
+import contextlib
+import os
+import sqlite3
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+
+from alembic import command
+from sqlalchemy import Engine
+from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.orm import Session
+from sqlalchemy.pool import StaticPool
+
+from moetune.db._schema import (
+    HEAD_REVISION,
+    alembic_config,
+    check_revision,
+    connect_readonly,
+    create_schema,
+    error_reason,
+    inspect_file,
+    make_engine,
+    sqlite_url,
+    upgrade_schema,
+)
+from moetune.errors import TableError
+
+
+class TableFile:
+    """An open table file: its engine, and sessions whose database errors are ``TableError``.
+
+    The engine may be shared between threads; a session may not. ``revision`` is the schema
+    revision of the file on disk. Close the file (or use it as a context manager) to release
+    its connections.
+    """
+
+    def __init__(self, path: Path, engine: Engine, revision: str, *, writable: bool) -> None:
+        self.path = path
+        self.engine = engine
+        self.revision = revision
+        self.writable = writable
+
+    @contextlib.contextmanager
+    def session(self) -> Iterator[Session]:
+        """A session inside one transaction: committed on success, rolled back on any error.
+
+        Objects stay readable after the block (``expire_on_commit=False``), so a caller can keep
+        the rows it created, e.g. the ``TuningRun`` it finishes later in another session.
+
+        Raises:
+            TableError: For any database error, naming the file.
+        """
+        try:
+            with Session(self.engine, expire_on_commit=False) as session, session.begin():
+                yield session
+        except SQLAlchemyError as e:
+            raise TableError(f"{self.path}: {error_reason(e)}") from e
+
+    def close(self) -> None:
+        """Release every pooled connection to the file."""
+        self.engine.dispose()
+
+    def __enter__(self) -> "TableFile":
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        mode = "writable" if self.writable else "read-only"
+        return f"TableFile({str(self.path)!r}, {mode}, revision={self.revision!r})"
+
+
+def open_table(path: str | Path, *, writable: bool = False) -> TableFile:
+    """Open a table file after checking it is one this moetune can use.
+
+    Read-only opens never write to the file: an older schema is upgraded in an in-memory copy.
+    Writable opens create a missing file with the head schema and upgrade an older one in place.
+    Writing in place is not atomic across sessions; use :func:`write_table` for that.
+
+    Args:
+        path: The SQLite table file.
+        writable: Open for writing (creating or upgrading the file as needed).
+
+    Returns:
+        The open table; close it when done.
+
+    Raises:
+        TableError: If the file is missing (read-only), empty, truncated, not SQLite, not a
+            moetune table, or written by a newer moetune schema.
+    """
+    path = Path(path)
+    try:
+        if writable and not path.exists():
+            create_schema(path)
+        state = inspect_file(path)
+        check_revision(path, state)
+        if state.revision == HEAD_REVISION:
+            engine = make_engine(sqlite_url(path, readonly=not writable))
+        elif writable:
+            upgrade_schema(path)
+            state = inspect_file(path)
+            engine = make_engine(sqlite_url(path))
+        else:
+            engine = _upgraded_in_memory(path)
+    except SQLAlchemyError as e:
+        raise TableError(f"{path}: {error_reason(e)}") from e
+    return TableFile(path, engine, state.revision, writable=writable)
+
+
+@contextlib.contextmanager
+def write_table(path: str | Path) -> Iterator[TableFile]:
+    """Change a table file all at once, or not at all.
+
+    Yields a writable copy of ``path`` (or a new table when ``path`` does not exist), kept in a
+    temporary file next to it (that is the yielded table's ``.path``). When the block finishes,
+    the copy atomically replaces ``path``; when it raises, the copy is deleted and ``path`` is
+    untouched. Readers keep seeing the old file until the replace.
+
+    Raises:
+        TableError: If the directory is missing or not writable (checked before any work), or
+            if the existing file is not a table this moetune can use.
+    """
+    with atomic_table(path, start_from_existing=True) as table:
+        yield table
+
+
+@contextlib.contextmanager
+def atomic_table(path: str | Path, *, start_from_existing: bool) -> Iterator[TableFile]:
+    """``write_table``, optionally starting from an empty schema instead of ``path``'s rows.
+
+    Exports and merges build their output from scratch, even when ``out`` already exists.
+    """
+    path = Path(path)
+    directory = path.absolute().parent
+    if not directory.is_dir():
+        raise TableError(f"{path}: cannot write, directory {directory} does not exist")
+    if not os.access(directory, os.W_OK | os.X_OK):
+        raise TableError(f"{path}: cannot write, directory {directory} is not writable")
+    existing = path.exists()
+    if existing:
+        state = inspect_file(path)  # never replace a file that is not a moetune table
+        if start_from_existing:
+            check_revision(path, state)
+    fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    os.close(fd)
+    temp = Path(temp_name)
+    try:
+        if existing and start_from_existing:
+            _copy_file(path, temp)
+        else:
+            create_schema(temp)
+        with open_table(temp, writable=True) as table:
+            yield table
+        _fsync(temp)
+        os.chmod(temp, os.stat(path).st_mode & 0o7777 if existing else 0o644)
+        os.replace(temp, path)
+        _fsync(directory)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _copy_file(source: Path, target: Path) -> None:
+    """Copy with SQLite's online backup: a consistent snapshot even mid-write by another process.
+
+    Raises:
+        TableError: If SQLite cannot read ``source`` or write ``target``.
+    """
+    try:
+        with contextlib.closing(connect_readonly(source)) as src:
+            with contextlib.closing(sqlite3.connect(target)) as dst:
+                src.backup(dst)
+    except sqlite3.Error as e:
+        raise TableError(f"{source}: cannot copy to {target} ({e})") from e
+
+
+def _upgraded_in_memory(path: Path) -> Engine:
+    """A private in-memory copy of an older table, migrated to head, for read-only use."""
+    engine = make_engine("sqlite://", foreign_keys=False, poolclass=StaticPool)
+    with contextlib.closing(connect_readonly(path)) as source, engine.connect() as connection:
+        source.backup(connection.connection.dbapi_connection)
+    with engine.begin() as connection:
+        command.upgrade(alembic_config(connection=connection), "head")
+    return engine
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file (or a directory entry) to disk, so a power cut cannot undo the replace.
+
+    Best effort: some platforms cannot open or fsync a directory; the replace is atomic anyway.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)

@@ -1,0 +1,229 @@
+"""What the tuner writes, one call per fact, inside a session of a writable table.
+
+Each helper takes plain values (or the runtime's ``str`` enums, stored by value) so the tuner
+never builds ORM rows itself, and every parameter dict goes through the one canonical encoder.
+Rows passed in may come from an earlier, closed session: only their ids are used.
+"""
+
+import datetime
+import math
+import socket
+from typing import Any
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from moetune import __version__
+from moetune.db._jsontext import dump_json
+from moetune.db._models import (
+    BUCKET_COLUMNS,
+    BucketRow,
+    Measurement,
+    MeasurementStatus,
+    RunStatus,
+    SkuRow,
+    TuningRun,
+    WinnerRow,
+)
+
+_BUCKET_INTS = ("num_tokens", "hidden_size", "intermediate_size", "num_experts", "topk")
+_BUCKET_STRS = ("dtype", "quant", "activation")
+_BUCKET_BOOLS = ("gated", "router_weight_on_input")
+
+
+def utcnow() -> datetime.datetime:
+    """Now, as the naive UTC timestamp every table stores."""
+    return datetime.datetime.now(datetime.timezone.utc).replace(tzinfo=None)
+
+
+def get_or_create_sku(
+    session: Session, vendor: str, name: str, arch: str, compute_units: int, memory_bytes: int
+) -> SkuRow:
+    """The SKU row for (vendor, name, arch, compute_units), created on first use.
+
+    An existing row keeps its recorded ``memory_bytes``: the unique key decides identity.
+    """
+    key = {"vendor": _value(vendor), "name": name, "arch": arch}
+    key["compute_units"] = int(compute_units)
+    sku = session.scalars(select(SkuRow).filter_by(**key)).one_or_none()
+    if sku is None:
+        sku = SkuRow(**key, memory_bytes=int(memory_bytes))
+        session.add(sku)
+        session.flush()
+    return sku
+
+
+def bucket_key(key: dict[str, Any]) -> dict[str, Any]:
+    """Check and normalise the 10 bucket key columns (enums to their values, exact types).
+
+    Raises:
+        ValueError: If a column is missing or unknown; the message lists the expected names.
+    """
+    missing = [c for c in BUCKET_COLUMNS if c not in key]
+    unknown = sorted(set(key) - set(BUCKET_COLUMNS))
+    if missing or unknown:
+        raise ValueError(
+            f"bucket key needs exactly {', '.join(BUCKET_COLUMNS)}; "
+            f"missing {missing or 'none'}, unknown {unknown or 'none'}"
+        )
+    row: dict[str, Any] = {c: int(key[c]) for c in _BUCKET_INTS}
+    row.update({c: _value(key[c]) for c in _BUCKET_STRS})
+    row.update({c: bool(key[c]) for c in _BUCKET_BOOLS})
+    return row
+
+
+def get_or_create_bucket(session: Session, **key: Any) -> BucketRow:
+    """The bucket row for the 10 key columns (``**MoEProblem.to_row()`` fits), created on first use.
+
+    Raises:
+        ValueError: If the key columns are not exactly the 10 bucket columns.
+    """
+    row = bucket_key(key)
+    bucket = session.scalars(select(BucketRow).filter_by(**row)).one_or_none()
+    if bucket is None:
+        bucket = BucketRow(**row)
+        session.add(bucket)
+        session.flush()
+    return bucket
+
+
+def start_run(
+    session: Session,
+    sku: SkuRow,
+    environment: dict[str, Any],
+    command: str,
+    commit: str | None,
+    driver: str | None,
+) -> TuningRun:
+    """Record that a tuning run began on this host, with the versions it runs under."""
+    run = TuningRun(
+        sku_id=sku.id,
+        moetune_version=__version__,
+        commit=commit,
+        environment=dump_json(environment),
+        driver=driver,
+        host=socket.gethostname(),
+        command=command,
+        started_at=utcnow(),
+        status=RunStatus.RUNNING,
+    )
+    session.add(run)
+    session.flush()
+    return run
+
+
+def finish_run(session: Session, run: TuningRun, status: RunStatus | str) -> None:
+    """Mark a run finished or failed, stamping ``finished_at``; ``run`` is updated in place."""
+    session.add(run)
+    run.status = RunStatus(status)
+    run.finished_at = utcnow()
+    session.flush()
+
+
+def add_measurement(
+    session: Session,
+    run: TuningRun,
+    bucket: BucketRow,
+    kernel: str,
+    params: dict[str, Any],
+    median_us: float | None,
+    p20_us: float | None,
+    p80_us: float | None,
+    samples: int,
+    error: float | None,
+    status: MeasurementStatus | str,
+    reason: str | None = None,
+) -> Measurement:
+    """Record one trial, whatever its outcome: failures are evidence too.
+
+    Raises:
+        ValueError: If an ``ok`` trial has no median time.
+    """
+    status = MeasurementStatus(status)
+    if status is MeasurementStatus.OK and median_us is None:
+        raise ValueError(f"an ok measurement of {kernel} needs median_us")
+    measurement = Measurement(
+        run_id=run.id,
+        bucket_id=bucket.id,
+        kernel=kernel,
+        params=dump_json(params),
+        median_us=median_us,
+        p20_us=p20_us,
+        p80_us=p80_us,
+        samples=int(samples),
+        error=error,
+        status=status,
+        reason=reason,
+        created_at=utcnow(),
+    )
+    session.add(measurement)
+    session.flush()
+    return measurement
+
+
+def set_winner(
+    session: Session,
+    sku: SkuRow,
+    bucket: BucketRow,
+    run: TuningRun,
+    kernel: str,
+    params: dict[str, Any],
+    median_us: float,
+    p20_us: float,
+    p80_us: float,
+    error: float | None,
+    baseline_kernel: str,
+    baseline_params: dict[str, Any],
+    baseline_us: float,
+) -> WinnerRow:
+    """Insert or replace the winner of (sku, bucket); ``speedup = baseline_us / median_us``.
+
+    The replacement is unconditional: deciding that a new result beats the stored one is the
+    tuner's job (or ``merge_tables``'s), not storage's.
+
+    Raises:
+        ValueError: If ``median_us`` or ``baseline_us`` is not a positive finite time.
+    """
+    for name, value in (("median_us", median_us), ("baseline_us", baseline_us)):
+        if not (math.isfinite(value) and value > 0):
+            raise ValueError(f"winner {kernel}: {name} must be a positive finite time, got {value}")
+    winner = session.scalars(
+        select(WinnerRow).filter_by(sku_id=sku.id, bucket_id=bucket.id)
+    ).one_or_none()
+    if winner is None:
+        winner = WinnerRow(sku_id=sku.id, bucket_id=bucket.id)
+        session.add(winner)
+    winner.kernel = kernel
+    winner.params = dump_json(params)
+    winner.median_us, winner.p20_us, winner.p80_us = median_us, p20_us, p80_us
+    winner.error = error
+    winner.baseline_kernel = baseline_kernel
+    winner.baseline_params = dump_json(baseline_params)
+    winner.baseline_us = baseline_us
+    winner.speedup = baseline_us / median_us
+    winner.run_id = run.id
+    winner.updated_at = utcnow()
+    session.flush()
+    return winner
+
+
+def measured(
+    session: Session, sku: SkuRow, bucket: BucketRow
+) -> dict[tuple[str, str], Measurement]:
+    """Every trial already run for (sku, bucket) in any run, keyed by ``(kernel, params_json)``.
+
+    A resumed job looks candidates up here (params as ``dump_json(params)``) and skips them. When a
+    candidate was measured more than once, the newest measurement is the one returned.
+    """
+    rows = session.scalars(
+        select(Measurement)
+        .join(TuningRun, Measurement.run_id == TuningRun.id)
+        .where(TuningRun.sku_id == sku.id, Measurement.bucket_id == bucket.id)
+        .order_by(Measurement.id)
+    )
+    return {(m.kernel, m.params): m for m in rows}
+
+
+def _value(value: Any) -> str:
+    """A ``str`` enum's value (``Vendor.NVIDIA`` -> ``"nvidia"``), or the string itself."""
+    return str(getattr(value, "value", value))

@@ -1,0 +1,1 @@
+"""Alembic migrations of moetune table files (configured in ``moetune.db._schema``)."""

@@ -1,0 +1,1 @@
+"""One module per schema revision, named by its readable revision id."""

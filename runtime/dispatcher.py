@@ -1,0 +1,169 @@
+"""The dispatcher: a table read once into memory, then a dict lookup per MoE call.
+
+``select(problem)`` returns the table's winner for the problem's bucket when the table is valid
+for this device and has a usable row for that shape, else the rule-based pick with the reason.
+Nothing here touches the database after ``load``; nothing here raises because of a table.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from moetune.db import TableSnapshot, read_winners
+from moetune.errors import MoetuneError
+from moetune.runtime.kernels.base import WeightLayout
+from moetune.runtime.platform import SKU, environment, environment_mismatches
+from moetune.runtime.problem import MoEProblem, Shape, nearest
+from moetune.runtime.registry import Registry, default_registry
+from moetune.runtime.rules import rule_choice
+
+logger = logging.getLogger("moetune")
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What to run for one call. ``source`` is ``table`` or ``rule``; ``reason`` says why."""
+
+    kernel: str
+    params: dict[str, Any]
+    source: str
+    reason: str
+    bucket: int | None = None
+    median_us: float | None = None
+    speedup: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TableStatus:
+    """How loading went: what a startup log line and ``moetune lookup`` report."""
+
+    path: str | None
+    usable: bool
+    reason: str
+    rows: int = 0
+    rejected_rows: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class _Entry:
+    num_tokens: int
+    selection: Selection
+
+
+class Dispatcher:
+    """Maps MoE problems to kernels. Build with ``load``; ``select`` is safe on the hot path.
+
+    Thread safety: ``select`` only reads the loaded map and fills a memo dict (a benign race:
+    two threads compute the same value).
+    """
+
+    def __init__(self, sku: SKU, status: TableStatus, entries: dict[Shape, list[_Entry]],
+                 registry: Registry = default_registry) -> None:
+        self.sku = sku
+        self.status = status
+        self.registry = registry
+        self._entries = entries
+        self._points = {shape: [e.num_tokens for e in rows] for shape, rows in entries.items()}
+        self._memo: dict[MoEProblem, Selection] = {}
+
+    @classmethod
+    def load(cls, path: str | Path | None, sku: SKU, *, registry: Registry = default_registry,
+             check_environment: bool = True) -> Dispatcher:
+        """Read ``path`` once. Any problem with the table leaves a dispatcher that uses the rules.
+
+        The reason is in ``status`` (and logged once); ``strict`` callers check ``status.usable``.
+        """
+        if path is None:
+            return cls(sku, TableStatus(None, False, "no table configured"), {}, registry)
+        try:
+            snapshot = read_winners(Path(path))
+        except (MoetuneError, OSError) as e:
+            return cls(sku, TableStatus(str(path), False, str(e)), {}, registry)
+        reason = _foreign(snapshot, sku, check_environment)
+        if reason:
+            return cls(sku, TableStatus(str(path), False, reason), {}, registry)
+        entries, rejected = _entries(snapshot, sku, registry)
+        rejected += tuple(snapshot.bad_rows)
+        rows = sum(len(v) for v in entries.values())
+        status = TableStatus(str(path), True, f"{rows} rows for {sku.label()}", rows, rejected)
+        return cls(sku, status, entries, registry)
+
+    def select(self, problem: MoEProblem, layout: WeightLayout = WeightLayout.PLAIN) -> Selection:
+        """The kernel for ``problem``: memoized, deterministic per problem."""
+        key = problem if layout is WeightLayout.PLAIN else (problem, layout)
+        hit = self._memo.get(key)  # type: ignore[arg-type]
+        if hit is None:
+            hit = self._memo[key] = self._decide(problem, layout)  # type: ignore[index]
+        return hit
+
+    def covers(self, shape: Shape) -> bool:
+        """Whether the table has a usable row for ``shape`` at any num_tokens."""
+        return shape in self._points
+
+    def _decide(self, problem: MoEProblem, layout: WeightLayout) -> Selection:
+        points = self._points.get(problem.shape)
+        if not self.status.usable:
+            why = f"table not used: {self.status.reason}"
+        elif not points:
+            why = "shape not in table"
+        else:
+            rows = self._entries[problem.shape]
+            chosen = rows[bisect.bisect_left(points, nearest(problem.num_tokens, points))]
+            kernel = self.registry.get(chosen.selection.kernel)
+            ok, not_ok = kernel.supports(problem, self.sku)
+            if ok and kernel.layout is layout:
+                return chosen.selection
+            why = not_ok or f"winner needs the {kernel.layout.value} weight layout"
+        rule = rule_choice(problem, self.sku)
+        return Selection(rule.kernel, rule.params, "rule", f"{why}; {rule.reason}")
+
+
+def _foreign(snapshot: TableSnapshot, sku: SKU, check_environment: bool) -> str | None:
+    """Why a table must not be used here, or None."""
+    here = (sku.vendor.value, sku.name, sku.arch)
+    if not any((s["vendor"], s["name"], s["arch"]) == here for s in snapshot.skus):
+        theirs = ", ".join(f"{s['vendor']}:{s['name']} ({s['arch']})" for s in snapshot.skus)
+        return f"table is for {theirs or 'no SKU'}, this device is {sku.label()}"
+    if check_environment:
+        mismatches = environment_mismatches(snapshot.environment, environment())
+        if mismatches:
+            return "measured in another environment: " + "; ".join(mismatches)
+    return None
+
+
+def _entries(snapshot: TableSnapshot, sku: SKU,
+             registry: Registry) -> tuple[dict[Shape, list[_Entry]], tuple[str, ...]]:
+    """Validated rows for this SKU, grouped by shape and sorted by num_tokens."""
+    entries: dict[Shape, list[_Entry]] = {}
+    rejected: list[str] = []
+    for row in snapshot.rows:
+        if (row.sku["vendor"], row.sku["name"], row.sku["arch"]) != (
+                sku.vendor.value, sku.name, sku.arch):
+            continue
+        try:
+            problem = MoEProblem.from_row(row.bucket)
+            params = registry.get(row.kernel).validate(row.params)
+        except (MoetuneError, KeyError, TypeError) as e:
+            rejected.append(f"bucket {row.bucket}: {e}")
+            continue
+        selection = Selection(row.kernel, params, "table",
+                              f"table winner for bucket M={problem.num_tokens}",
+                              problem.num_tokens, row.median_us, row.speedup)
+        entries.setdefault(problem.shape, []).append(_Entry(problem.num_tokens, selection))
+    for rows in entries.values():
+        rows.sort(key=lambda e: e.num_tokens)
+    return entries, tuple(rejected)
+
+
+def load_dispatcher(path: str | Path | None, sku: SKU, **kwargs: Any) -> Dispatcher:
+    """``Dispatcher.load`` plus one log line saying what was loaded (or why not)."""
+    dispatcher = Dispatcher.load(path, sku, **kwargs)
+    st = dispatcher.status
+    log = logger.info if st.usable else logger.warning
+    log("moetune: table %s: %s%s", st.path, st.reason,
+        f" ({len(st.rejected_rows)} rows rejected)" if st.rejected_rows else "")
+    return dispatcher

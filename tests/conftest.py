@@ -1,0 +1,34 @@
+"""Shared fixtures: the CPU SKU, small problems, and a tiny table tuned once per session."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from moetune.runtime.platform import detect_sku
+from moetune.runtime.problem import MoEProblem
+from moetune.tuner.job import JobOptions, run_job
+from moetune.tuner.presets import preset
+
+
+@pytest.fixture(scope="session")
+def cpu_sku():
+    return detect_sku("cpu")
+
+
+@pytest.fixture
+def small_problem() -> MoEProblem:
+    return MoEProblem(num_tokens=24, hidden_size=64, intermediate_size=96, num_experts=8, topk=2,
+                      dtype="float32")
+
+
+@pytest.fixture(scope="session")
+def tiny_table(tmp_path_factory, cpu_sku) -> Path:
+    """The tiny preset tuned on this CPU at three buckets (what `moetune tune --preset tiny` does)."""
+    path = tmp_path_factory.mktemp("tables") / "tiny.db"
+    shape = preset("tiny").shape
+    outcomes = run_job([shape.problem(m) for m in (1, 16, 64)], path, cpu_sku,
+                       JobOptions(device="cpu", trials=8, reps=5))
+    assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+    return path

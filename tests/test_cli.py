@@ -1,0 +1,104 @@
+"""The `moetune` command line, run in-process through typer's runner on real tables."""
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from moetune import db
+from moetune.tuner.cli import app
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args])
+
+
+def test_help_lists_every_command():
+    result = invoke("--help")
+    assert result.exit_code == 0
+    for cmd in ("tune", "show", "lookup", "export", "import", "merge", "doctor"):
+        assert cmd in result.output
+
+
+def test_tune_tiny_writes_a_table_with_a_gated_winner_per_bucket(tmp_path):
+    path = tmp_path / "t.db"
+    result = invoke("tune", "--preset", "tiny", "--device", "cpu", "--output", path,
+                    "--buckets", "1,16", "--trials", "5")
+    assert result.exit_code == 0, result.output
+    rows = db.read_winners(path).rows
+    assert sorted(r.bucket["num_tokens"] for r in rows) == [1, 16]
+    assert all(r.error <= 2.5e-2 and r.baseline_us > 0 and r.speedup > 0 for r in rows)
+
+
+def test_show_prints_grid_and_json(tiny_table):
+    grid = invoke("show", tiny_table)
+    assert grid.exit_code == 0 and "H128 I256 E8" in grid.output and "speedup" in grid.output
+    lines = invoke("show", tiny_table, "--json").output.strip().splitlines()
+    rows = [json.loads(line) for line in lines]
+    assert sorted(r["num_tokens"] for r in rows) == [1, 16, 64]
+    assert {"kernel", "params", "median_us", "baseline_us", "speedup", "error"} <= set(rows[0])
+
+
+def test_lookup_tuned_and_untuned_shapes(tiny_table):
+    tuned = invoke("lookup", "--table", tiny_table, "--preset", "tiny", "--num-tokens", 7,
+                   "--device", "cpu")
+    assert tuned.exit_code == 0, tuned.output
+    assert "source:  table" in tuned.output and "bucket M=1" in tuned.output
+    other = invoke("lookup", "--table", tiny_table, "--preset", "tiny", "--hidden", 256,
+                   "--num-tokens", 7, "--device", "cpu")
+    assert "source:  rule" in other.output and "shape not in table" in other.output
+    assert "torch_loop" in other.output
+
+
+def test_doctor_reports_device_and_eligibility():
+    result = invoke("doctor", "--device", "cpu")
+    assert result.exit_code == 0
+    assert "cpu:" in result.output and "torch_loop" in result.output and "eligible" in result.output
+
+
+def test_export_import_and_merge(tiny_table, tmp_path):
+    exported = tmp_path / "artifact.db"
+    assert invoke("export", tiny_table, "--format", "sqlite", "--output", exported).exit_code == 0
+    assert len(db.read_winners(exported).rows) == 3
+    imported = tmp_path / "imported.db"
+    assert invoke("import", exported, "--output", imported).exit_code == 0
+    assert len(db.read_winners(imported).rows) == 3
+    merged = invoke("merge", tiny_table, exported, "--output", tmp_path / "m.db")
+    assert merged.exit_code == 0, merged.output
+    assert len(db.read_winners(tmp_path / "m.db").rows) == 3
+
+
+@pytest.mark.parametrize("args,message", [
+    (["tune", "--preset", "nope", "--output", "{tmp}/x.db"], "unknown preset"),
+    (["tune", "--hidden", "0", "--intermediate", "8", "--experts", "4", "--topk", "2",
+      "--output", "{tmp}/x.db"], "hidden_size must be a positive integer"),
+    (["tune", "--preset", "tiny", "--topk", "9", "--output", "{tmp}/x.db"], "topk (9) cannot"),
+    (["tune", "--preset", "tiny", "--quant", "int3", "--output", "{tmp}/x.db"],
+     "unknown QuantScheme"),
+    (["tune", "--preset", "tiny", "--device", "cpu", "--buckets", "1", "--output",
+      "/proc/nope/x.db"], "/proc/nope"),
+    (["show", "{tmp}/garbage.db"], "not a moetune table"),
+    (["show", "{tmp}/missing.db"], "missing.db"),
+])
+def test_bad_input_gives_one_error_line_and_exit_1(tmp_path, args, message):
+    (tmp_path / "garbage.db").write_bytes(b"this is not sqlite" * 100)
+    result = invoke(*[a.replace("{tmp}", str(tmp_path)) for a in args])
+    assert result.exit_code == 1, result.output
+    assert message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_failed_tune_leaves_existing_table_untouched(tiny_table, tmp_path):
+    path = tmp_path / "t.db"
+    shutil.copy(tiny_table, path)
+    before = path.read_bytes()
+    result = invoke("tune", "--preset", "tiny", "--quant", "fp8_per_tensor", "--device", "cpu",
+                    "--buckets", "1", "--output", path)
+    assert result.exit_code == 1  # no CPU kernel runs fp8: the baseline is not eligible
+    assert "not eligible" in result.output
+    assert len(db.read_winners(path).rows) == 3
+    assert sorted(r.bucket["num_tokens"] for r in db.read_winners(path).rows) == [1, 16, 64]
+    assert path.read_bytes() != b"" and before

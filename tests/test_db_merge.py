@@ -1,0 +1,134 @@
+"""``export_sqlite`` and ``merge_tables`` on real table files."""
+
+import os
+
+import pytest
+from sqlalchemy import func, select
+
+from moetune.db import (
+    HEAD_REVISION,
+    Measurement,
+    SkuRow,
+    TuningRun,
+    export_sqlite,
+    merge_tables,
+    open_table,
+    read_measurements,
+    read_winners,
+    schema_revision,
+)
+from moetune.errors import TableError
+
+from .test_db_helpers import MI300X, tune
+
+
+def _count(path, model):
+    with open_table(path) as table, table.session() as s:
+        return s.scalar(select(func.count()).select_from(model))
+
+
+def _winners(path):
+    return {(r.sku["name"], r.bucket["num_tokens"]): (r.kernel, r.median_us)
+            for r in read_winners(path).rows}
+
+
+@pytest.fixture
+def table(tmp_path):
+    path = tmp_path / "src.db"
+    tune(path, num_tokens=1, median=5.0)
+    tune(path, num_tokens=64, kernel="grouped_mm", params={"tile": 128}, median=20.0)
+    tune(path, sku=MI300X, num_tokens=64, kernel="aiter", params={}, median=15.0)
+    return path
+
+
+@pytest.mark.parametrize("with_measurements", [False, True])
+def test_export_writes_a_self_contained_table(tmp_path, table, with_measurements):
+    out = tmp_path / "artifact.db"
+    out_before = tmp_path / "stale.db"
+    tune(out_before, num_tokens=4096, kernel="stale")  # an existing artifact is rebuilt, not merged
+    os.replace(out_before, out)
+    export_sqlite(table, out, include_measurements=with_measurements)
+    assert schema_revision(out) == HEAD_REVISION
+    assert read_winners(out).rows == read_winners(table).rows
+    assert read_winners(out).skus == read_winners(table).skus
+    assert _count(out, TuningRun) == 3
+    assert _count(out, Measurement) == (6 if with_measurements else 0)
+    if with_measurements:
+        assert read_measurements(out) == read_measurements(table)
+    assert sorted(os.listdir(tmp_path)) == ["artifact.db", "src.db"]
+
+
+def test_export_refuses_to_overwrite_a_file_that_is_not_a_table(tmp_path, table):
+    out = tmp_path / "notes.txt"
+    out.write_text("precious")
+    with pytest.raises(TableError, match="not a moetune table"):
+        export_sqlite(table, out)
+    assert out.read_text() == "precious"
+
+
+def test_merge_takes_the_union(tmp_path):
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    tune(a, num_tokens=1)
+    tune(b, num_tokens=64, sku=MI300X)
+    report = merge_tables(a, b, out)
+    assert (report.rows, report.from_a, report.from_b, report.conflicts) == (2, 1, 1, [])
+    assert _winners(out) == {("H200", 1): ("triton", 10.0), ("MI300X", 64): ("triton", 10.0)}
+    assert _count(out, SkuRow) == 2 and _count(out, TuningRun) == 2
+    assert _count(out, Measurement) == 4
+    assert {r["run_id"] for r in read_measurements(out)} == {1, 2}
+
+
+def test_merge_faster_median_wins_when_times_differ_beyond_their_spread(tmp_path):
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    tune(a, kernel="fast_old", median=10.0, spread=0.5)
+    tune(b, kernel="slow_new", median=12.0, spread=0.5)  # newer run, clearly slower
+    report = merge_tables(a, b, out)
+    [conflict] = report.conflicts
+    assert (conflict.kernel_a, conflict.kernel_b, conflict.median_us_a, conflict.median_us_b) == (
+        "fast_old", "slow_new", 10.0, 12.0)
+    assert (conflict.winner, conflict.reason) == ("a", "faster median")
+    assert conflict.bucket["num_tokens"] == 64 and conflict.sku["name"] == "H200"
+    assert _winners(out) == {("H200", 64): ("fast_old", 10.0)}
+    assert "fast_old" in str(conflict) and "-> a" in str(conflict)
+
+
+def test_merge_newer_run_wins_a_statistical_tie_even_when_slightly_slower(tmp_path):
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    tune(b, kernel="old", median=10.0, spread=1.0)  # b is measured first: the older run
+    tune(a, kernel="new", median=10.5, spread=1.0)
+    report = merge_tables(a, b, out)
+    [conflict] = report.conflicts
+    assert conflict.winner == "a" and conflict.reason.startswith("newer run")
+    assert _winners(out) == {("H200", 64): ("new", 10.5)}
+    # The same tie with the sides swapped still picks the newer run: the rule is symmetric.
+    assert merge_tables(b, a, out).conflicts[0].winner == "b"
+    assert _winners(out) == {("H200", 64): ("new", 10.5)}
+
+
+def test_merge_spread_must_contain_both_medians(tmp_path):
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    tune(a, kernel="old_wide", median=10.0, spread=3.0)  # 12 lies within a's spread...
+    tune(b, kernel="new_tight", median=12.0, spread=0.5)  # ...but 10 not within b's
+    assert merge_tables(a, b, out).conflicts[0].reason == "faster median"
+    assert _winners(out) == {("H200", 64): ("old_wide", 10.0)}
+
+
+def test_merge_into_its_first_input_is_atomic_and_idempotent(tmp_path, table):
+    other = tmp_path / "other.db"
+    tune(other, num_tokens=2)
+    report = merge_tables(table, other, table)
+    assert (report.rows, report.from_a, report.from_b) == (4, 3, 1)
+    assert _count(table, TuningRun) == 4 and _count(table, Measurement) == 8
+    again = merge_tables(table, other, table)  # nothing new: no duplicate runs or trials
+    assert (again.rows, again.conflicts) == (4, [])
+    assert _count(table, TuningRun) == 4 and _count(table, Measurement) == 8
+    assert sorted(os.listdir(tmp_path)) == ["other.db", "src.db"]
+
+
+def test_merge_of_a_bad_input_leaves_out_untouched(tmp_path, table):
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"garbage")
+    before = table.read_bytes()
+    with pytest.raises(TableError, match="bad.db: not a moetune table"):
+        merge_tables(table, bad, table)
+    assert table.read_bytes() == before

@@ -1,0 +1,62 @@
+"""The dispatcher: table hits, nearest buckets within a shape, and never crashing on a table."""
+
+import dataclasses
+import sqlite3
+
+from moetune.runtime.dispatcher import Dispatcher
+from moetune.runtime.platform import SKU, Vendor
+from moetune.tuner.presets import preset
+
+TINY = preset("tiny").shape
+
+
+def test_hits_use_the_nearest_tuned_bucket_of_the_same_shape(tiny_table, cpu_sku):
+    d = Dispatcher.load(tiny_table, cpu_sku)
+    assert d.status.usable and d.status.rows == 3
+    for m, bucket in ((1, 1), (7, 1), (9, 16), (40, 16), (41, 64), (100000, 64)):
+        s = d.select(TINY.problem(m))
+        assert (s.source, s.bucket) == ("table", bucket), m
+    assert d.select(TINY.problem(7)) is d.select(TINY.problem(7))  # memoized
+
+
+def test_other_shapes_never_borrow_buckets(tiny_table, cpu_sku):
+    d = Dispatcher.load(tiny_table, cpu_sku)
+    for change in (dict(hidden_size=256), dict(num_experts=16), dict(topk=1),
+                   dict(dtype="float32"), dict(activation="gelu")):
+        s = d.select(dataclasses.replace(TINY, **change).problem(16))
+        assert s.source == "rule" and "shape not in table" in s.reason
+
+
+def test_table_for_another_sku_is_ignored_with_the_reason(tiny_table):
+    h200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)
+    d = Dispatcher.load(tiny_table, h200)
+    assert not d.status.usable and "nvidia:H200" in d.status.reason
+    s = d.select(TINY.problem(16))
+    assert s.source == "rule" and "table not used" in s.reason
+
+
+def test_corrupt_missing_and_truncated_tables_fall_back(tiny_table, tmp_path, cpu_sku):
+    garbage = tmp_path / "g.db"
+    garbage.write_bytes(b"\x00junk" * 1000)
+    truncated = tmp_path / "t.db"
+    truncated.write_bytes(tiny_table.read_bytes()[:4096])
+    for path in (garbage, truncated, tmp_path / "missing.db"):
+        d = Dispatcher.load(path, cpu_sku)
+        assert not d.status.usable and str(path) in d.status.reason
+        assert d.select(TINY.problem(4)).source == "rule"
+
+
+def test_rows_with_unknown_kernels_or_bad_params_are_rejected_not_fatal(tiny_table, tmp_path,
+                                                                       cpu_sku):
+    path = tmp_path / "edited.db"
+    path.write_bytes(tiny_table.read_bytes())
+    with sqlite3.connect(path) as con:
+        ids = [r[0] for r in con.execute(
+            "SELECT w.id FROM winner w JOIN bucket b ON b.id = w.bucket_id ORDER BY b.num_tokens")]
+        con.execute("UPDATE winner SET kernel = 'gone_kernel' WHERE id = ?", (ids[0],))
+        con.execute("UPDATE winner SET kernel = 'torch_dense', params = '{\"chunk_tokens\": 3}' "
+                    "WHERE id = ?", (ids[1],))
+    d = Dispatcher.load(path, cpu_sku)
+    assert d.status.usable and d.status.rows == 1 and len(d.status.rejected_rows) == 2
+    assert any("gone_kernel" in r for r in d.status.rejected_rows)
+    assert d.select(TINY.problem(1)).bucket == 64  # the one valid row serves the shape

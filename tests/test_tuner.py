@@ -1,0 +1,152 @@
+"""The search, the gate and the confirmation round, on real CPU kernels and Optuna."""
+
+from typing import Any
+
+import torch
+
+from moetune import db
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.kernels.torch_dense import TorchDenseKernel
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.registry import Registry
+from moetune.tuner.job import JobOptions, run_job
+from moetune.tuner.measure import Measurer, Status
+from moetune.tuner.study import confirm, search
+
+
+class FastButWrongKernel(BaseKernel):
+    """Returns zeros instantly: the fastest kernel there is, and wrong."""
+
+    name = "fast_but_wrong"
+
+    @classmethod
+    def _supports_device(cls, problem, sku):
+        return None
+
+    @classmethod
+    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+        return lambda x, w, ids: torch.zeros_like(x)
+
+
+class PartialWriteKernel(BaseKernel):
+    """Leaves the last row unwritten (uninitialised memory), as a buggy tiled kernel would."""
+
+    name = "partial_write"
+
+    @classmethod
+    def _supports_device(cls, problem, sku):
+        return None
+
+    @classmethod
+    def prepare(cls, problem, params, weights):
+        ref = TorchDenseKernel.prepare(problem, {"chunk_tokens": 512}, weights)
+
+        def run(x, w, ids):
+            out = torch.empty_like(x)
+            out[:-1] = ref(x, w, ids)[:-1]
+            return out
+
+        return run
+
+
+class CrashingKernel(BaseKernel):
+    name = "crashing"
+
+    @classmethod
+    def _supports_device(cls, problem, sku):
+        return None
+
+    @classmethod
+    def prepare(cls, problem, params, weights):
+        def run(x, w, ids):
+            raise RuntimeError("out of resources: shared memory\nsecond line")
+        return run
+
+
+def registry_with(*kernels) -> Registry:
+    reg = Registry()
+    for k in kernels:
+        reg.add(k)
+    return reg
+
+
+def test_wrong_and_crashing_kernels_are_recorded_and_never_win(small_problem, cpu_sku):
+    reg = registry_with(FastButWrongKernel, CrashingKernel, PartialWriteKernel)
+    measurer = Measurer(small_problem, "cpu", reg, reps=3)
+    results = search(small_problem, cpu_sku, measurer, reg.candidates(small_problem, cpu_sku),
+                     trials=40)
+    by_kernel = {k: r for (k, _), r in results.items()}
+    assert by_kernel["fast_but_wrong"].status is Status.WRONG
+    assert by_kernel["crashing"].status is Status.FAILED
+    assert by_kernel["crashing"].reason == "RuntimeError: out of resources: shared memory"
+    assert by_kernel["torch_loop"].status is Status.OK  # the rule's pick is always measured
+    decision = confirm(small_problem, cpu_sku, measurer, results, rounds=2, reps=3)
+    assert decision.winner.kernel not in {"fast_but_wrong", "crashing", "partial_write"}
+    assert decision.baseline.kernel == "torch_loop"
+
+
+def test_poisoned_memory_catches_a_kernel_that_skips_outputs(small_problem):
+    reg = registry_with(PartialWriteKernel)
+    result = Measurer(small_problem, "cpu", reg, reps=3).measure("partial_write", {})
+    assert result.status is Status.WRONG
+
+
+def test_search_covers_a_small_space_once_and_stops(small_problem, cpu_sku):
+    reg = Registry()
+    measurer = Measurer(small_problem, "cpu", reg, reps=2)
+    calls = []
+    original = measurer.measure
+    measurer.measure = lambda k, p: calls.append((k, tuple(p.items()))) or original(k, p)
+    cands = reg.candidates(small_problem, cpu_sku)
+    results = search(small_problem, cpu_sku, measurer, cands, trials=200)
+    space = sum(k.space_size() for k in cands)
+    assert len(results) == space == len(calls) == len(set(calls))  # no config measured twice
+
+
+def test_job_writes_every_bucket_and_resumes_without_remeasuring(tmp_path, cpu_sku):
+    problems = [MoEProblem(m, 64, 96, 8, 2, dtype="float32") for m in (1, 32)]
+    path = tmp_path / "t.db"
+    opts = JobOptions(device="cpu", trials=6, reps=3)
+    first = run_job(problems, path, cpu_sku, opts)
+    assert [o.error for o in first] == [None, None] and all(o.measured > 0 for o in first)
+    snapshot = db.read_winners(path)
+    assert sorted(r.bucket["num_tokens"] for r in snapshot.rows) == [1, 32]
+    for row in snapshot.rows:
+        assert row.baseline_kernel == "torch_loop" and row.baseline_us > 0
+        assert row.error is not None and row.error <= 1e-4
+    second = run_job(problems, path, cpu_sku, opts)
+    assert all(o.reused >= first[i].measured for i, o in enumerate(second))
+    assert len(db.read_winners(path).rows) == 2
+
+
+class ProcessKillingKernel(BaseKernel):
+    """Takes its whole process down, as a kernel that corrupts the CUDA context would."""
+
+    name = "process_killing"
+
+    @classmethod
+    def _supports_device(cls, problem, sku):
+        return None
+
+    @classmethod
+    def prepare(cls, problem, params, weights):
+        def run(x, w, ids):
+            import os
+            os._exit(3)
+        return run
+
+
+def test_isolated_worker_survives_a_candidate_that_kills_its_process(small_problem):
+    from moetune.tuner.worker import IsolatedMeasurer
+
+    reg = registry_with(ProcessKillingKernel)
+    measurer = IsolatedMeasurer(small_problem, "cpu", reg, reps=2, timeout_s=120)
+    try:
+        dead = measurer.measure("process_killing", {})
+        assert dead.status is Status.FAILED and "exit code 3" in dead.reason
+        fine = measurer.measure("torch_loop", {})
+        assert fine.status is Status.OK and fine.median_us > 0
+        assert measurer.restarts == 1
+        assert measurer.retime("torch_loop", {}, 2).median_us > 0
+    finally:
+        measurer.close()

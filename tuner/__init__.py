@@ -1,0 +1,1 @@
+"""Offline search: inputs, timing, the correctness gate, Optuna studies per bucket, the CLI."""

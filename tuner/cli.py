@@ -1,0 +1,194 @@
+"""The ``moetune`` command line: thin commands over the library; errors become one line + exit 1."""
+
+from __future__ import annotations
+
+import enum
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional, TypeVar
+
+import typer
+import optuna
+from rich.console import Console
+from rich.progress import Progress
+
+from moetune import db
+from moetune.errors import MoetuneError
+from moetune.runtime.dispatcher import Dispatcher
+from moetune.runtime.platform import detect_sku
+from moetune.runtime.registry import default_registry
+from moetune.tuner import report
+from moetune.tuner.inputs import Routing
+from moetune.tuner.job import BucketOutcome, JobOptions, run_job
+from moetune.tuner.shapes import ShapeOptions, parse_buckets, problems_from_misses, resolve
+
+app = typer.Typer(help="Measured, per-GPU dispatch tables for Mixture-of-Experts kernels.",
+                  no_args_is_help=True, pretty_exceptions_enable=False)
+# Piped output (files, CI logs) gets wide lines instead of wrapped table cells.
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True)
+F = TypeVar("F", bound=Callable[..., Any])
+optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per bucket is ours to print
+
+
+def _errors_to_exit(fn: F) -> F:
+    """moetune's own errors are user errors: one red line on stderr and exit code 1."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except MoetuneError as e:
+            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
+            raise typer.Exit(code=1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+class Device(str, enum.Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class ExportFormat(str, enum.Enum):
+    sqlite = "sqlite"
+
+
+Preset = Annotated[Optional[str], typer.Option(help="Named shape: tiny, mixtral-8x7b, ...")]
+Config = Annotated[Optional[Path], typer.Option(help="Local Hugging Face config.json")]
+TP = Annotated[int, typer.Option("--tp", help="Tensor-parallel size (shards intermediate)")]
+EP = Annotated[int, typer.Option("--ep", help="Expert-parallel size (shards experts)")]
+Hidden = Annotated[Optional[int], typer.Option(help="Hidden size")]
+Inter = Annotated[Optional[int], typer.Option(help="Intermediate size per partition")]
+Experts = Annotated[Optional[int], typer.Option(help="Local experts")]
+TopK = Annotated[Optional[int], typer.Option(help="Experts per token")]
+DTypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="float32|float16|bfloat16")]
+Quant = Annotated[Optional[str], typer.Option(
+    help="none|fp8_per_tensor|fp8_per_channel|fp8_block_128x128")]
+Act = Annotated[Optional[str], typer.Option(help="silu|gelu")]
+OnInput = Annotated[Optional[bool], typer.Option(
+    "--router-weight-on-input/--router-weight-on-output", help="Where the router weight applies")]
+DeviceOpt = Annotated[Device, typer.Option(help="Where to measure")]
+
+
+@app.command()
+@_errors_to_exit
+def tune(
+    output: Annotated[Path, typer.Option("--output", "-o", help="Table file to write")],
+    preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
+    hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
+    topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
+    router_weight_on_input: OnInput = None, device: DeviceOpt = Device.auto,
+    buckets: Annotated[Optional[str], typer.Option(help="num_tokens list, e.g. 1,8,64")] = None,
+    trials: Annotated[int, typer.Option(min=1, help="Optuna trials per bucket")] = 24,
+    routing: Annotated[Routing, typer.Option(help="Expert load distribution")] = Routing.UNIFORM,
+    seed: Annotated[int, typer.Option(help="Seed for inputs and the sampler")] = 0,
+    from_misses: Annotated[Optional[Path], typer.Option(
+        help="Tune exactly the buckets a serving process recorded (MOETUNE_MODE=record)")] = None,
+    optuna_storage: Annotated[Optional[str], typer.Option(
+        help="Optuna storage URL for the studies (default: in memory)")] = None,
+) -> None:
+    """Time every eligible kernel per bucket and write the winners to a table."""
+    if from_misses:
+        problems = problems_from_misses(from_misses)
+    else:
+        shape, default_buckets = resolve(ShapeOptions(
+            preset, config, tp, ep, hidden, intermediate, experts, topk, dtype, quant,
+            activation, router_weight_on_input))
+        problems = [shape.problem(m) for m in parse_buckets(buckets, default_buckets)]
+    sku = detect_sku(device.value)
+    dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
+    opts = JobOptions(device=dev, trials=trials, seed=seed, routing=routing,
+                      optuna_storage=optuna_storage)
+    out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {output}")
+    with Progress(console=err, transient=True) as progress:
+        task = progress.add_task("", total=trials)
+
+        def on_bucket(o: BucketOutcome) -> None:
+            progress.reset(task, total=trials)
+            out.print(report.outcome_line(o), highlight=False)
+
+        def on_trial() -> None:
+            progress.advance(task)
+
+        progress.update(task, description=problems[0].describe() if problems else "")
+        outcomes = run_job(problems, output, sku, opts, on_bucket=on_bucket, on_trial=on_trial)
+    out.print(report.winners_table(db.read_winners(output)))
+    failed = [o for o in outcomes if o.error]
+    if failed:
+        raise MoetuneError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
+
+
+@app.command()
+@_errors_to_exit
+def show(table: Path, as_json: Annotated[bool, typer.Option("--json", help="One JSON object per "
+                                                           "winner row")] = False) -> None:
+    """Print a table's winners: bucket, kernel, params, time, speedup, error."""
+    snapshot = db.read_winners(table)
+    if as_json:
+        for row in report.winner_dicts(snapshot):
+            typer.echo(json.dumps(row, sort_keys=True))
+        return
+    out.print(report.winners_table(snapshot))
+
+
+@app.command()
+@_errors_to_exit
+def lookup(
+    num_tokens: Annotated[int, typer.Option(min=1, help="Tokens in the MoE call")],
+    table: Annotated[Optional[Path], typer.Option(help="Table to consult")] = None,
+    preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
+    hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
+    topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
+    router_weight_on_input: OnInput = None, device: DeviceOpt = Device.auto,
+) -> None:
+    """What the dispatcher would run for one call, and why."""
+    shape, _ = resolve(ShapeOptions(preset, config, tp, ep, hidden, intermediate, experts, topk,
+                                    dtype, quant, activation, router_weight_on_input))
+    problem = shape.problem(num_tokens)
+    dispatcher = Dispatcher.load(table, detect_sku(device.value))
+    selection = dispatcher.select(problem)
+    out.print(report.lookup_text(problem, dispatcher, selection), highlight=False)
+
+
+@app.command()
+@_errors_to_exit
+def doctor(device: DeviceOpt = Device.auto, preset: Annotated[str, typer.Option(
+        help="Shape whose kernel eligibility to show")] = "tiny") -> None:
+    """Platform, SKU, software versions, and which kernels are eligible here (and why not)."""
+    shape, _ = resolve(ShapeOptions(preset=preset))
+    sku = detect_sku(device.value)
+    out.print(report.doctor_text(sku, default_registry, shape.problem(1)), highlight=False)
+
+
+@app.command("export")
+@_errors_to_exit
+def export_(table: Path, output: Annotated[Path, typer.Option("--output", "-o")],
+            format: Annotated[ExportFormat, typer.Option("--format")] = ExportFormat.sqlite,
+            with_measurements: Annotated[bool, typer.Option(
+                help="Include every trial's measurement")] = False) -> None:
+    """Write a table as a self-contained artifact."""
+    db.export_sqlite(table, output, include_measurements=with_measurements)
+    out.print(f"exported {table} -> {output}")
+
+
+@app.command("import")
+@_errors_to_exit
+def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")]) -> None:
+    """Bring a table file into ``output`` (merged if ``output`` exists); the format is detected."""
+    if output.exists():
+        merge_report = db.merge_tables(output, file, output)
+        out.print(report.merge_text(merge_report), highlight=False)
+    else:
+        db.export_sqlite(file, output, include_measurements=True)
+    out.print(f"imported {file} -> {output}")
+
+
+@app.command()
+@_errors_to_exit
+def merge(a: Path, b: Path, output: Annotated[Path, typer.Option("--output", "-o")]) -> None:
+    """Merge two tables; per bucket the faster (or, within noise, newer) winner stays."""
+    out.print(report.merge_text(db.merge_tables(a, b, output)), highlight=False)

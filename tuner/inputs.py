@@ -1,0 +1,72 @@
+"""Random weights and batches for a problem: what the tuner times and checks kernels on."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+
+import torch
+
+from moetune.runtime.kernels.base import MoEWeights
+from moetune.runtime.kernels.quant import quantize_weights
+from moetune.runtime.problem import MoEProblem
+
+
+class Routing(str, enum.Enum):
+    """How tokens pick experts: near-uniform (vLLM's tuner) or skewed like real traffic."""
+
+    UNIFORM = "uniform"
+    ZIPF = "zipf"
+
+
+@dataclasses.dataclass
+class Batch:
+    x: torch.Tensor
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+    def args(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return self.x, self.topk_weights, self.topk_ids
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.args())
+
+
+def _dtype(problem: MoEProblem) -> torch.dtype:
+    return getattr(torch, problem.dtype.value)
+
+
+def make_weights(problem: MoEProblem, device: str, seed: int = 0) -> MoEWeights:
+    """Weights scaled by 1/sqrt(fan_in) so outputs stay O(1) in every dtype."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
+    n1 = 2 * i if problem.gated else i
+    w13 = torch.randn(e, n1, h, generator=gen) / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
+    weights = quantize_weights(w13, w2, problem.quant)
+    dtype = _dtype(problem)
+    if weights.w13.is_floating_point() and weights.w13.dtype == torch.float32:
+        weights.w13, weights.w2 = weights.w13.to(dtype), weights.w2.to(dtype)
+    for name in ("w13", "w2", "w13_scale", "w2_scale"):
+        t = getattr(weights, name)
+        if t is not None:
+            setattr(weights, name, t.to(device))
+    return weights
+
+
+def make_batch(problem: MoEProblem, device: str, seed: int,
+               routing: Routing = Routing.UNIFORM) -> Batch:
+    """Activations and a routing decision for ``problem.num_tokens`` tokens."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    m, e, k = problem.num_tokens, problem.num_experts, problem.topk
+    x = torch.randn(m, problem.hidden_size, generator=gen)
+    if routing is Routing.UNIFORM:
+        logits = torch.randn(m, e, generator=gen)
+    else:  # expert r is picked with probability ~ 1/(r+1): a few hot experts, a long tail
+        probs = 1.0 / torch.arange(1, e + 1, dtype=torch.float32)
+        perm = torch.randperm(e, generator=gen)
+        logits = (probs[perm].log().expand(m, e) + 0.5 * torch.randn(m, e, generator=gen))
+    topk_weights, topk_ids = torch.softmax(logits, dim=-1).topk(k, dim=-1)
+    topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return Batch(x.to(_dtype(problem)).to(device), topk_weights.to(device),
+                 topk_ids.to(torch.int32).to(device))

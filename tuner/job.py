@@ -1,0 +1,143 @@
+"""A tuning job: every bucket of every shape, each bucket published to the table as it finishes.
+
+Each bucket is written through ``write_table`` (copy, write, atomic replace), so a killed job
+leaves a valid table with the buckets it finished, and a rerun skips what it already measured.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Callable, Iterable
+
+from moetune import __version__
+from moetune import db
+from moetune.errors import TuningError
+from moetune.runtime.platform import SKU, environment
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.registry import Registry, default_registry
+from moetune.tuner.inputs import Routing
+from moetune.tuner.measure import Measurer, Result, Status
+from moetune.tuner.study import Decision, Key, confirm, search
+from moetune.tuner.timing import Timing
+from moetune.tuner.worker import IsolatedMeasurer
+
+
+@dataclasses.dataclass(frozen=True)
+class JobOptions:
+    device: str = "cpu"
+    trials: int = 24
+    seed: int = 0
+    routing: Routing = Routing.UNIFORM
+    reps: int = 20
+    optuna_storage: str | None = None
+    #: Measure in a restartable child process (default on CUDA, where a bad kernel can
+    #: poison the context for every later candidate).
+    isolate: bool | None = None
+
+    @property
+    def isolated(self) -> bool:
+        return self.device.startswith("cuda") if self.isolate is None else self.isolate
+
+
+@dataclasses.dataclass(frozen=True)
+class BucketOutcome:
+    problem: MoEProblem
+    decision: Decision | None
+    measured: int
+    reused: int
+    error: str | None = None
+
+
+def source_commit() -> str | None:
+    """The git commit moetune runs from, when it runs from a checkout."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def _sku_row(session: object, sku: SKU) -> db.SkuRow:
+    return db.get_or_create_sku(session, vendor=sku.vendor.value, name=sku.name, arch=sku.arch,
+                                compute_units=sku.compute_units, memory_bytes=sku.memory_bytes)
+
+
+def run_job(problems: Iterable[MoEProblem], output: Path, sku: SKU, opts: JobOptions, *,
+            registry: Registry = default_registry,
+            on_bucket: Callable[[BucketOutcome], None] | None = None,
+            on_trial: Callable[[], None] | None = None) -> list[BucketOutcome]:
+    """Tune every problem (already bucketed) and write winners to ``output``.
+
+    A bucket whose baseline fails is reported in its outcome and the job goes on; the run is
+    marked failed if any bucket failed.
+    """
+    with db.write_table(output) as table, table.session() as s:
+        run_id = db.start_run(s, _sku_row(s, sku), environment=environment(),
+                              command=" ".join(sys.argv), commit=source_commit(),
+                              driver=environment().get("cuda") or environment().get("hip")).id
+    outcomes = []
+    for problem in problems:
+        outcome = _tune_bucket(problem, output, sku, opts, registry, run_id, on_trial)
+        outcomes.append(outcome)
+        if on_bucket:
+            on_bucket(outcome)
+    status = db.RunStatus.FAILED if any(o.error for o in outcomes) else db.RunStatus.FINISHED
+    with db.write_table(output) as table, table.session() as s:
+        db.finish_run(s, s.get(db.TuningRun, run_id), status)
+    return outcomes
+
+
+def _tune_bucket(problem: MoEProblem, output: Path, sku: SKU, opts: JobOptions,
+                 registry: Registry, run_id: int,
+                 on_trial: Callable[[], None] | None) -> BucketOutcome:
+    candidates = registry.candidates(problem, sku)
+    known = _known_results(output, sku, problem)
+    make = IsolatedMeasurer if opts.isolated else Measurer
+    measurer = make(problem, opts.device, registry, routing=opts.routing, seed=opts.seed,
+                    reps=opts.reps)
+    try:
+        results = search(problem, sku, measurer, candidates, trials=opts.trials, seed=opts.seed,
+                         known=known, storage=opts.optuna_storage, progress=on_trial)
+        decision = confirm(problem, sku, measurer, results)
+    except TuningError as e:
+        return BucketOutcome(problem, None, 0, len(known), str(e))
+    finally:
+        if isinstance(measurer, IsolatedMeasurer):
+            measurer.close()
+    fresh = [r for k, r in results.items() if k not in known]
+    with db.write_table(output) as table, table.session() as s:
+        run = s.get(db.TuningRun, run_id)
+        bucket = db.get_or_create_bucket(s, **problem.to_row())
+        for r in fresh:
+            t = r.timing
+            db.add_measurement(s, run, bucket, r.kernel, r.params,
+                               t.median_us if t else None, t.p20_us if t else None,
+                               t.p80_us if t else None, t.samples if t else 0, r.error,
+                               db.MeasurementStatus(r.status.value), r.reason)
+        w, wt, bt = decision.winner, decision.winner_timing, decision.baseline_timing
+        db.set_winner(s, _sku_row(s, sku), bucket, run, w.kernel, w.params, wt.median_us,
+                      wt.p20_us, wt.p80_us, w.error, decision.baseline.kernel,
+                      decision.baseline.params, bt.median_us)
+    return BucketOutcome(problem, decision, len(fresh), len(known))
+
+
+def _known_results(output: Path, sku: SKU, problem: MoEProblem) -> dict[Key, Result]:
+    """Measurements an earlier run left in ``output`` for this bucket (resume)."""
+    if not output.exists():
+        return {}
+    with db.open_table(output, writable=True) as table, table.session() as s:
+        bucket = db.get_or_create_bucket(s, **problem.to_row())
+        rows = db.measured(s, _sku_row(s, sku), bucket)
+        known = {}
+        for (kernel, pkey), m in rows.items():
+            timing = None
+            if m.median_us is not None:
+                timing = Timing(m.median_us, m.p20_us, m.p80_us, m.samples, "stored")
+            known[(kernel, pkey)] = Result(kernel, db.load_json(m.params), Status(m.status.value),
+                                           timing, m.error, m.reason)
+        return known

@@ -1,0 +1,105 @@
+"""Measuring one candidate: prepare it, gate it against the reference, time it."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from typing import Any, Protocol
+
+from moetune.runtime.kernels.base import MoEFn, params_key
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.registry import Registry
+from moetune.tuner.gate import poison_allocator, relative_error, tolerance
+from moetune.tuner.inputs import Routing, make_batch, make_weights
+from moetune.tuner.timing import Timing, time_op
+
+# Timing inputs together exceed this many bytes on GPUs, so activations are not L2-hot.
+_ROTATE_BYTES = 256 << 20
+
+
+class Status(str, enum.Enum):
+    """Outcome of one measurement; values match the table's measurement status."""
+
+    OK = "ok"
+    FAILED = "failed"
+    WRONG = "wrong"
+    PRUNED = "pruned"
+
+
+@dataclasses.dataclass(frozen=True)
+class Result:
+    kernel: str
+    params: dict[str, Any]
+    status: Status
+    timing: Timing | None = None
+    error: float | None = None
+    reason: str | None = None
+
+    @property
+    def median_us(self) -> float:
+        return self.timing.median_us if self.timing else math.inf
+
+
+def describe_exception(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first}"[:500]
+
+
+class CandidateMeasurer(Protocol):
+    """What the search needs: gate-and-time a candidate, and re-time one for confirmation."""
+
+    def measure(self, kernel: str, params: dict[str, Any]) -> Result: ...
+
+    def retime(self, kernel: str, params: dict[str, Any], reps: int) -> Timing: ...
+
+
+class Measurer:
+    """Times candidates for one problem in this process, on shared weights and inputs.
+
+    Holds one set of weights, a check batch with its float32 reference output, and rotating
+    timing batches; prepared callables are kept for the confirmation round.
+    """
+
+    def __init__(self, problem: MoEProblem, device: str, registry: Registry, *,
+                 routing: Routing = Routing.UNIFORM, seed: int = 0, reps: int = 20) -> None:
+        self.problem, self.device, self.registry, self.reps = problem, device, registry, reps
+        self.weights = make_weights(problem, device, seed)
+        self.check = make_batch(problem, device, seed + 1, routing)
+        self.reference = registry.get("reference").prepare(problem, {}, self.weights)(
+            *self.check.args())
+        sets = 2
+        if device.startswith("cuda"):
+            sets = max(2, min(32, math.ceil(_ROTATE_BYTES / max(self.check.nbytes(), 1))))
+        self.inputs = [make_batch(problem, device, seed + 2 + i, routing).args()
+                       for i in range(sets)]
+        self._prepared: dict[tuple[str, str], MoEFn] = {}
+
+    def measure(self, kernel: str, params: dict[str, Any]) -> Result:
+        """Gate then time one candidate. Failures are results, never exceptions."""
+        try:
+            fn = self._prepare(kernel, params)
+            poison_allocator(self.device, self.reference.numel() * 4 * 4)
+            error = relative_error(fn(*self.check.args()), self.reference)
+        except Exception as e:  # a candidate that raises is a recorded failure, not a crash
+            return Result(kernel, params, Status.FAILED, reason=describe_exception(e))
+        if not error <= tolerance(self.problem):
+            return Result(kernel, params, Status.WRONG, error=error,
+                          reason=f"relative error {error:.3g} > {tolerance(self.problem):.3g}")
+        try:
+            timing = time_op(fn, self.inputs, self.device, reps=self.reps)
+        except Exception as e:
+            return Result(kernel, params, Status.FAILED, error=error,
+                          reason=describe_exception(e))
+        return Result(kernel, params, Status.OK, timing, error)
+
+    def retime(self, kernel: str, params: dict[str, Any], reps: int) -> Timing:
+        """Time an already-measured candidate again (used interleaved by the confirmation round)."""
+        return time_op(self._prepare(kernel, params), self.inputs, self.device, reps=reps)
+
+    def _prepare(self, kernel: str, params: dict[str, Any]) -> MoEFn:
+        key = (kernel, params_key(params))
+        if key not in self._prepared:
+            self._prepared[key] = self.registry.get(kernel).prepare(
+                self.problem, params, self.weights)
+        return self._prepared[key]

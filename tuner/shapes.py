@@ -1,0 +1,100 @@
+"""Turning command-line shape options into problems: a preset, a config.json, or explicit sizes."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from moetune.errors import MoetuneError
+from moetune.runtime.problem import (DEFAULT_BUCKETS, Activation, DType, MoEProblem, QuantScheme,
+                                     Shape, parse_enum)
+from moetune.tuner.presets import preset, shape_from_config
+
+
+@dataclasses.dataclass(frozen=True)
+class ShapeOptions:
+    """What a user may say about a shape; explicit sizes override the preset's or config's."""
+
+    preset: str | None = None
+    config: Path | None = None
+    tp: int = 1
+    ep: int = 1
+    hidden: int | None = None
+    intermediate: int | None = None
+    experts: int | None = None
+    topk: int | None = None
+    dtype: str | None = None
+    quant: str | None = None
+    activation: str | None = None
+    router_weight_on_input: bool | None = None
+
+
+def resolve(opts: ShapeOptions) -> tuple[Shape, tuple[int, ...]]:
+    """The shape described by ``opts`` and its default buckets.
+
+    Raises:
+        MoetuneError: no shape given, both a preset and a config, or an invalid shape.
+    """
+    if opts.preset and opts.config:
+        raise MoetuneError("give either --preset or --config, not both")
+    buckets = DEFAULT_BUCKETS
+    if opts.preset:
+        p = preset(opts.preset)
+        base, buckets = dataclasses.asdict(p.shape), p.buckets
+    elif opts.config:
+        base = dataclasses.asdict(shape_from_config(opts.config, tp=opts.tp, ep=opts.ep,
+                                                    dtype=opts.dtype))
+    else:
+        base = {"dtype": DType.BFLOAT16, "quant": QuantScheme.NONE,
+                "activation": Activation.SILU, "gated": True, "router_weight_on_input": False}
+    overrides = {
+        "hidden_size": opts.hidden, "intermediate_size": opts.intermediate,
+        "num_experts": opts.experts, "topk": opts.topk,
+        "dtype": opts.dtype and parse_enum(DType, opts.dtype),
+        "quant": opts.quant and parse_enum(QuantScheme, opts.quant),
+        "activation": opts.activation and parse_enum(Activation, opts.activation),
+        "router_weight_on_input": opts.router_weight_on_input,
+    }
+    base.update({k: v for k, v in overrides.items() if v is not None})
+    missing = [f.name for f in dataclasses.fields(Shape) if f.name not in base]
+    if missing:
+        raise MoetuneError("no shape given: use --preset, --config or all of --hidden "
+                           "--intermediate --experts --topk")
+    shape = Shape(**base)
+    shape.problem(1)  # validates sizes, topk <= experts, quant constraints
+    return shape, buckets
+
+
+def parse_buckets(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]:
+    """``"1,8,64"`` -> (1, 8, 64); None -> ``default``."""
+    if not text:
+        return default
+    try:
+        values = sorted({int(v) for v in text.split(",") if v.strip()})
+    except ValueError:
+        raise MoetuneError(f"--buckets must be comma-separated integers, got {text!r}") from None
+    if not values or values[0] < 1:
+        raise MoetuneError(f"--buckets must be positive integers, got {text!r}")
+    return tuple(values)
+
+
+def problems_from_misses(path: Path) -> list[MoEProblem]:
+    """Problems a serving process recorded as table misses (JSON lines), de-duplicated.
+
+    Raises:
+        MoetuneError: unreadable file or a line that is not a problem.
+    """
+    try:
+        lines = Path(path).read_text().splitlines()
+    except OSError as e:
+        raise MoetuneError(f"{path}: cannot read misses file ({e})") from None
+    problems: dict[MoEProblem, None] = {}
+    for n, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            problems[MoEProblem.from_row(json.loads(line))] = None
+        except (ValueError, KeyError, TypeError) as e:
+            raise MoetuneError(f"{path}:{n}: not a recorded problem ({e})") from None
+    return list(problems)

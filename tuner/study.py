@@ -1,0 +1,131 @@
+"""One bucket's search: an Optuna study over (kernel, that kernel's parameters), then a
+confirmation round that re-times the best few interleaved and decides the winner."""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+from typing import Callable
+
+import optuna
+
+from moetune.errors import TuningError
+from moetune.runtime.kernels.base import BaseKernel, params_key
+from moetune.runtime.platform import SKU
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.rules import rule_choice
+from moetune.tuner.measure import CandidateMeasurer, Result, Status
+from moetune.tuner.timing import Timing
+
+Key = tuple[str, str]
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """A bucket's outcome: the winner and the baseline as timed side by side in confirmation."""
+
+    winner: Result
+    winner_timing: Timing
+    baseline: Result
+    baseline_timing: Timing
+    reason: str
+    results: tuple[Result, ...]
+
+    @property
+    def speedup(self) -> float:
+        return self.baseline_timing.median_us / self.winner_timing.median_us
+
+
+def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidates: list[type[BaseKernel]],
+           *, trials: int, seed: int = 0, known: dict[Key, Result] | None = None,
+           storage: optuna.storages.BaseStorage | str | None = None,
+           progress: Callable[[], None] | None = None) -> dict[Key, Result]:
+    """Run up to ``trials`` Optuna trials; the rule's pick is enqueued first.
+
+    Args:
+        known: results measured earlier (a resumed job); they are told to Optuna, not re-timed.
+        progress: called after each trial (a progress bar's advance).
+
+    Returns:
+        Every distinct (kernel, params) tried, with its result.
+    """
+    rule = rule_choice(problem, sku)
+    names = [k.name for k in candidates]
+    if rule.kernel not in names:
+        raise TuningError(f"{problem.describe()}: the rule's kernel {rule.kernel} is not eligible")
+    by_name = {k.name: k for k in candidates}
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(trials // 3, 1)))
+    study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
+                                study_name=f"moetune:{problem.describe()}", load_if_exists=True)
+    study.enqueue_trial({"kernel": rule.kernel,
+                         **{f"{rule.kernel}.{k}": v for k, v in rule.params.items()}})
+    results: dict[Key, Result] = {}
+    known = known or {}
+    space = sum(k.space_size() for k in candidates)
+    for _ in range(trials):
+        if len(results) >= space:
+            break  # every configuration has been seen
+        trial = study.ask()
+        kernel = by_name[trial.suggest_categorical("kernel", names)]
+        params = kernel.suggest(trial)
+        key = (kernel.name, params_key(params))
+        if key not in results:
+            why = kernel.check_params(problem, params)
+            results[key] = known.get(key) or (
+                Result(kernel.name, params, Status.PRUNED, reason=why) if why
+                else measurer.measure(kernel.name, params))
+        result = results[key]
+        if progress:
+            progress()
+        if result.status is Status.OK:
+            study.tell(trial, result.median_us)
+        else:
+            state = optuna.trial.TrialState.PRUNED if result.status is Status.PRUNED else \
+                optuna.trial.TrialState.FAIL
+            study.tell(trial, state=state)
+    rule_key = (rule.kernel, params_key(rule.params))
+    if rule_key not in results:  # the budget or a resumed study skipped it: always measure it
+        results[rule_key] = known.get(rule_key) or measurer.measure(rule.kernel, rule.params)
+    return results
+
+
+def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results: dict[Key, Result], *,
+            top: int = 3, rounds: int = 5, reps: int = 10) -> Decision:
+    """Re-time the best ``top`` candidates and the baseline interleaved, and pick the winner.
+
+    A candidate that is not faster than the baseline by more than the measured spread loses
+    to the baseline: a near-tie is noise, and the rule's pick needs no table row to be right.
+
+    Raises:
+        TuningError: the baseline itself failed or was wrong (nothing trustworthy to compare to).
+    """
+    rule = rule_choice(problem, sku)
+    baseline = results[(rule.kernel, params_key(rule.params))]
+    if baseline.status is not Status.OK:
+        raise TuningError(f"{problem.describe()}: baseline {rule.kernel} {baseline.status.value}: "
+                          f"{baseline.reason}")
+    ok = sorted((r for r in results.values() if r.status is Status.OK), key=lambda r: r.median_us)
+    finalists = [baseline] + [r for r in ok[:top] if r is not baseline]
+    samples: dict[int, list[float]] = {i: [] for i in range(len(finalists))}
+    for _ in range(rounds):
+        for i, r in enumerate(finalists):
+            t = measurer.retime(r.kernel, r.params, reps)
+            samples[i].append(t.median_us)
+    timings = [_pooled(s) for s in samples.values()]
+    best = min(range(len(finalists)), key=lambda i: timings[i].median_us)
+    base_t, best_t = timings[0], timings[best]
+    margin = max(base_t.spread_us, best_t.spread_us)
+    if best == 0 or base_t.median_us - best_t.median_us <= margin:
+        reason = "baseline kept" if best == 0 else (
+            f"near-tie: {finalists[best].kernel} {best_t.median_us:.1f}us vs baseline "
+            f"{base_t.median_us:.1f}us within spread {margin:.1f}us")
+        return Decision(baseline, base_t, baseline, base_t, reason, tuple(results.values()))
+    return Decision(finalists[best], best_t, baseline, base_t,
+                    f"{base_t.median_us / best_t.median_us:.2f}x over baseline",
+                    tuple(results.values()))
+
+
+def _pooled(medians: list[float]) -> Timing:
+    q = statistics.quantiles(medians, n=10, method="inclusive") if len(medians) > 1 else medians * 9
+    return Timing(statistics.median(medians), q[1], q[7], len(medians), "confirm")
+

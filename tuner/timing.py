@@ -1,0 +1,105 @@
+"""Timing harness: warm-up, repetitions, median and spread, inputs rotated so caches stay cold.
+
+CPU uses the wall clock around each call. CUDA replays a CUDA graph of several calls (one
+launch overhead spread over them, as in serving with graphs) timed by events; an op that cannot
+be captured falls back to events around eager calls.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable, Sequence
+
+import torch
+
+Args = tuple[torch.Tensor, ...]
+
+
+@dataclasses.dataclass(frozen=True)
+class Timing:
+    median_us: float
+    p20_us: float
+    p80_us: float
+    samples: int
+    method: str
+
+    @property
+    def spread_us(self) -> float:
+        return self.p80_us - self.p20_us
+
+
+def summarize(samples_us: Sequence[float], method: str) -> Timing:
+    q = statistics.quantiles(samples_us, n=10, method="inclusive") if len(samples_us) > 1 else [
+        samples_us[0]] * 9
+    return Timing(statistics.median(samples_us), q[1], q[7], len(samples_us), method)
+
+
+def time_op(fn: Callable[..., torch.Tensor], inputs: Sequence[Args], device: str, *,
+            warmup: int = 3, reps: int = 20, graph_calls: int = 10) -> Timing:
+    """Median time of one ``fn(*args)`` call, cycling through ``inputs``.
+
+    Args:
+        inputs: several argument sets; together larger than the last-level cache on GPUs.
+        graph_calls: calls per captured CUDA graph replay (CUDA only).
+    """
+    if device.startswith("cuda"):
+        try:
+            return _time_cuda_graph(fn, inputs, warmup, reps, graph_calls)
+        except RuntimeError:  # capture not possible (host sync inside the op): time eagerly
+            torch.cuda.synchronize()
+            return _time_cuda_events(fn, inputs, warmup, reps)
+    return _time_cpu(fn, inputs, warmup, reps)
+
+
+def _time_cpu(fn: Callable[..., torch.Tensor], inputs: Sequence[Args], warmup: int,
+              reps: int) -> Timing:
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    samples = []
+    for i in range(reps):
+        args = inputs[i % len(inputs)]
+        start = time.perf_counter()
+        fn(*args)
+        samples.append((time.perf_counter() - start) * 1e6)
+    return summarize(samples, "cpu-wall")
+
+
+def _time_cuda_events(fn: Callable[..., torch.Tensor], inputs: Sequence[Args], warmup: int,
+                      reps: int) -> Timing:
+    for i in range(warmup):
+        fn(*inputs[i % len(inputs)])
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for i, (start, end) in enumerate(events):
+        args = inputs[i % len(inputs)]
+        start.record()
+        fn(*args)
+        end.record()
+    torch.cuda.synchronize()
+    return summarize([s.elapsed_time(e) * 1e3 for s, e in events], "cuda-events")
+
+
+def _time_cuda_graph(fn: Callable[..., torch.Tensor], inputs: Sequence[Args], warmup: int,
+                     reps: int, graph_calls: int) -> Timing:
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # eager warm-up compiles and fills allocator pools
+        for i in range(max(warmup, len(inputs))):
+            fn(*inputs[i % len(inputs)])
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(graph_calls):
+            fn(*inputs[i % len(inputs)])
+    for _ in range(warmup):
+        graph.replay()
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+              for _ in range(reps)]
+    for start, end in events:
+        start.record()
+        graph.replay()
+        end.record()
+    torch.cuda.synchronize()
+    return summarize([s.elapsed_time(e) * 1e3 / graph_calls for s, e in events], "cuda-graph")
