@@ -8,6 +8,7 @@ for hits, nearest-bucket hits and rule fallbacks. Prints a Markdown report.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import platform
 import sys
@@ -33,8 +34,7 @@ def main() -> None:
                 JobOptions(trials=4, reps=3))
         dispatcher = Dispatcher.load(table, sku)
     cases = {"hit (tuned bucket)": shape.problem(16), "hit (nearest bucket)": shape.problem(7),
-             "rule fallback (other shape)": shape.__class__(**{**shape.__dict__,
-                                                               "hidden_size": 256}).problem(16)}
+             "rule fallback (other shape)": dataclasses.replace(shape, hidden_size=256).problem(16)}
     print(f"# Dispatcher per-call cost\n\nmachine: {platform.processor() or platform.machine()}, "
           f"python {platform.python_version()}; date: {datetime.date.today()}; "
           f"commit: {source_commit()}\ncommand: python {' '.join(sys.argv)}\n")

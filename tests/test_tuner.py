@@ -115,7 +115,8 @@ def test_job_writes_every_bucket_and_resumes_without_remeasuring(tmp_path, cpu_s
         assert row.baseline_kernel == "torch_loop" and row.baseline_us > 0
         assert row.error is not None and row.error <= 1e-4
     second = run_job(problems, path, cpu_sku, opts)
-    assert all(o.reused >= first[i].measured for i, o in enumerate(second))
+    assert all(o.reused == first[i].measured for i, o in enumerate(second))
+    assert sum(o.measured for o in second) < sum(o.measured for o in first)
     assert len(db.read_winners(path).rows) == 2
 
 
@@ -150,3 +151,33 @@ def test_isolated_worker_survives_a_candidate_that_kills_its_process(small_probl
         assert measurer.retime("torch_loop", {}, 2).median_us > 0
     finally:
         measurer.close()
+
+
+class ScriptedMeasurer:
+    """Re-timing answers from a script, so the confirmation rule is tested without noise."""
+
+    def __init__(self, timings):
+        self.timings = timings
+
+    def retime(self, kernel, params, reps):
+        from moetune.tuner.timing import Timing
+        median, spread = self.timings[kernel]
+        return Timing(median, median - spread, median + spread, reps, "scripted")
+
+
+def _ok(kernel, us):
+    from moetune.tuner.measure import Result
+    from moetune.tuner.timing import Timing
+    return Result(kernel, {}, Status.OK, Timing(us, us, us, 1, "x"), 0.0)
+
+
+def test_confirmation_gives_near_ties_to_the_baseline_and_real_wins_to_the_winner(
+        small_problem, cpu_sku):
+    results = {("torch_loop", "{}"): _ok("torch_loop", 100.0),
+               ("torch_grouped", "{}"): _ok("torch_grouped", 90.0)}
+    tie = confirm(small_problem, cpu_sku, ScriptedMeasurer(
+        {"torch_loop": (100.0, 15.0), "torch_grouped": (90.0, 1.0)}), results)
+    assert tie.winner.kernel == "torch_loop" and "near-tie" in tie.reason
+    win = confirm(small_problem, cpu_sku, ScriptedMeasurer(
+        {"torch_loop": (100.0, 5.0), "torch_grouped": (50.0, 1.0)}), results)
+    assert win.winner.kernel == "torch_grouped" and win.speedup == 2.0

@@ -93,8 +93,8 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
             top: int = 3, rounds: int = 5, reps: int = 10) -> Decision:
     """Re-time the best ``top`` candidates and the baseline interleaved, and pick the winner.
 
-    A candidate that is not faster than the baseline by more than the measured spread loses
-    to the baseline: a near-tie is noise, and the rule's pick needs no table row to be right.
+    A candidate whose median lies inside the baseline's p20-p80 spread loses to the baseline:
+    a near-tie is noise, and the rule's pick needs no table row to be right.
 
     Raises:
         TuningError: the baseline itself failed or was wrong (nothing trustworthy to compare to).
@@ -106,26 +106,29 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
                           f"{baseline.reason}")
     ok = sorted((r for r in results.values() if r.status is Status.OK), key=lambda r: r.median_us)
     finalists = [baseline] + [r for r in ok[:top] if r is not baseline]
-    samples: dict[int, list[float]] = {i: [] for i in range(len(finalists))}
+    samples: dict[int, list[Timing]] = {i: [] for i in range(len(finalists))}
     for _ in range(rounds):
         for i, r in enumerate(finalists):
-            t = measurer.retime(r.kernel, r.params, reps)
-            samples[i].append(t.median_us)
+            samples[i].append(measurer.retime(r.kernel, r.params, reps))
     timings = [_pooled(s) for s in samples.values()]
     best = min(range(len(finalists)), key=lambda i: timings[i].median_us)
     base_t, best_t = timings[0], timings[best]
-    margin = max(base_t.spread_us, best_t.spread_us)
-    if best == 0 or base_t.median_us - best_t.median_us <= margin:
+    if best == 0 or best_t.median_us >= base_t.p20_us:
         reason = "baseline kept" if best == 0 else (
-            f"near-tie: {finalists[best].kernel} {best_t.median_us:.1f}us vs baseline "
-            f"{base_t.median_us:.1f}us within spread {margin:.1f}us")
+            f"near-tie: {finalists[best].kernel} {best_t.median_us:.1f}us is inside the "
+            f"baseline's spread ({base_t.p20_us:.1f}-{base_t.p80_us:.1f}us)")
         return Decision(baseline, base_t, baseline, base_t, reason, tuple(results.values()))
     return Decision(finalists[best], best_t, baseline, base_t,
                     f"{base_t.median_us / best_t.median_us:.2f}x over baseline",
                     tuple(results.values()))
 
 
-def _pooled(medians: list[float]) -> Timing:
-    q = statistics.quantiles(medians, n=10, method="inclusive") if len(medians) > 1 else medians * 9
-    return Timing(statistics.median(medians), q[1], q[7], len(medians), "confirm")
+def _pooled(rounds: list[Timing]) -> Timing:
+    """Median of the rounds' medians, with the rounds' typical p20/p80 offsets around it: one
+    disturbed round (another process, a clock change) moves neither."""
+    median = statistics.median(t.median_us for t in rounds)
+    below = statistics.median(t.median_us - t.p20_us for t in rounds)
+    above = statistics.median(t.p80_us - t.median_us for t in rounds)
+    return Timing(median, median - below, median + above, sum(t.samples for t in rounds),
+                  "confirm")
 

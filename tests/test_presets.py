@@ -1,0 +1,84 @@
+"""Presets and shapes read from local Hugging Face config.json files."""
+
+import json
+
+import pytest
+
+from moetune.errors import MoetuneError
+from moetune.runtime.problem import QuantScheme
+from moetune.tuner.presets import PRESETS, shape_from_config
+from moetune.tuner.shapes import ShapeOptions, parse_buckets, problems_from_misses, resolve
+
+
+def write(tmp_path, cfg):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(cfg))
+    return path
+
+
+def test_presets_cover_the_named_models():
+    assert {"tiny", "mixtral-8x7b", "qwen3-30b-a3b", "deepseek-v3", "llama-4-maverick"} <= set(
+        PRESETS)
+    ds = PRESETS["deepseek-v3"].shape
+    assert (ds.hidden_size, ds.intermediate_size, ds.num_experts, ds.topk) == (7168, 256, 256, 8)
+    assert ds.quant is QuantScheme.FP8_BLOCK_128X128
+    llama = PRESETS["llama-4-maverick"].shape
+    assert llama.topk == 1 and llama.router_weight_on_input
+    assert llama.quant is QuantScheme.FP8_PER_CHANNEL
+
+
+def test_mixtral_config_with_tp(tmp_path):
+    path = write(tmp_path, {"model_type": "mixtral", "hidden_size": 4096,
+                            "intermediate_size": 14336, "num_local_experts": 8,
+                            "num_experts_per_tok": 2, "torch_dtype": "bfloat16",
+                            "hidden_act": "silu"})
+    shape = shape_from_config(path, tp=2)
+    assert (shape.hidden_size, shape.intermediate_size, shape.num_experts) == (4096, 7168, 8)
+
+
+def test_deepseek_config_with_block_fp8_and_ep(tmp_path):
+    path = write(tmp_path, {"model_type": "deepseek_v3", "hidden_size": 7168,
+                            "intermediate_size": 18432, "moe_intermediate_size": 2048,
+                            "n_routed_experts": 256, "num_experts_per_tok": 8,
+                            "quantization_config": {"quant_method": "fp8",
+                                                    "weight_block_size": [128, 128]}})
+    shape = shape_from_config(path, ep=8)
+    assert (shape.intermediate_size, shape.num_experts) == (2048, 32)
+    assert shape.quant is QuantScheme.FP8_BLOCK_128X128
+
+
+def test_llama4_nested_text_config(tmp_path):
+    path = write(tmp_path, {"model_type": "llama4", "text_config": {
+        "model_type": "llama4_text", "hidden_size": 5120, "intermediate_size": 8192,
+        "num_local_experts": 128, "num_experts_per_tok": 1}})
+    shape = shape_from_config(path, tp=8)
+    assert shape.router_weight_on_input and shape.intermediate_size == 1024
+
+
+@pytest.mark.parametrize("cfg,message", [
+    ({"hidden_size": 4096, "intermediate_size": 11008}, "not a MoE config"),
+    ({"hidden_size": 64, "intermediate_size": 100, "num_local_experts": 8}, "cannot shard"),
+])
+def test_bad_configs_are_refused(tmp_path, cfg, message):
+    with pytest.raises(MoetuneError, match=message):
+        shape_from_config(write(tmp_path, cfg), tp=3)
+
+
+def test_explicit_sizes_override_and_buckets_parse():
+    shape, buckets = resolve(ShapeOptions(preset="tiny", hidden=256))
+    assert shape.hidden_size == 256 and buckets == PRESETS["tiny"].buckets
+    assert parse_buckets("64, 1,8", ()) == (1, 8, 64)
+    with pytest.raises(MoetuneError):
+        parse_buckets("1,x", ())
+    with pytest.raises(MoetuneError, match="no shape given"):
+        resolve(ShapeOptions(hidden=64))
+
+
+def test_misses_file_is_deduplicated_and_validated(tmp_path):
+    row = PRESETS["tiny"].shape.problem(16).to_row()
+    path = tmp_path / "misses.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in (row, row, {**row, "num_tokens": 1})) + "\n")
+    assert [p.num_tokens for p in problems_from_misses(path)] == [16, 1]
+    path.write_text('{"num_tokens": 1}\n')
+    with pytest.raises(MoetuneError, match="misses.jsonl:1"):
+        problems_from_misses(path)
