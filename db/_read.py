@@ -18,7 +18,6 @@ from moetune.db._models import (
     BUCKET_COLUMNS,
     BucketRow,
     Measurement,
-    RunStatus,
     SkuRow,
     TuningRun,
     WinnerRow,
@@ -52,7 +51,7 @@ class TableSnapshot:
         path: The file read.
         schema_revision: Its Alembic revision on disk (older ones are upgraded in memory).
         skus: Every SKU in the file, as plain dicts.
-        environment: Versions recorded by the newest finished run (``{}`` if none finished).
+        environment: Versions recorded by the newest run that has winners (``{}`` if none).
         rows: The winners that parsed.
         bad_rows: One reason per row that was skipped because it could not be used.
     """
@@ -179,11 +178,12 @@ def _measurement_dict(m: Measurement, bucket: BucketRow, sku: SkuRow) -> dict[st
 
 
 def _newest_environment(session: Session, bad_rows: list[str]) -> dict[str, Any]:
-    """The environment of the run that finished last; what the runtime validates against."""
+    """The environment of the newest run that measured a winner; what the runtime validates
+    against. A run killed or failed part-way still published the winners it finished."""
     run = session.scalars(
         select(TuningRun)
-        .where(TuningRun.status == RunStatus.FINISHED)
-        .order_by(TuningRun.finished_at.desc(), TuningRun.id.desc())
+        .where(TuningRun.id.in_(select(WinnerRow.run_id)))
+        .order_by(TuningRun.started_at.desc(), TuningRun.id.desc())
         .limit(1)
     ).first()
     if run is None:

@@ -251,15 +251,21 @@ def test_params_must_be_plain_json(tmp_path):
         assert s.scalar(select(func.count()).select_from(Measurement)) == 0
 
 
-def test_newest_finished_run_supplies_the_environment(tmp_path):
+def test_newest_run_with_winners_supplies_the_environment(tmp_path):
     path = tmp_path / "t.db"
     tune(path)
+    before = read_winners(path).environment
     with open_table(path, writable=True) as table, table.session() as s:
         sku = get_or_create_sku(s, *H200)
         newer = start_run(s, sku, {**ENVIRONMENT, "torch": "2.10.0"}, "tune", None, None)
-        finish_run(s, newer, RunStatus.FINISHED)
-        start_run(s, sku, {"torch": "still running"}, "tune", None, None)
-    assert read_winners(path).environment["torch"] == "2.10.0"
+        finish_run(s, newer, RunStatus.FINISHED)  # finished, but measured no winner
+    assert read_winners(path).environment == before
+    with open_table(path, writable=True) as table, table.session() as s:
+        sku = get_or_create_sku(s, *H200)
+        killed = start_run(s, sku, {**ENVIRONMENT, "torch": "2.11.0"}, "tune", None, None)
+        bucket = get_or_create_bucket(s, **bucket_key())
+        set_winner(s, sku, bucket, killed, "k", {}, 1.0, 1.0, 1.0, 0.0, "b", {}, 2.0)
+    assert read_winners(path).environment["torch"] == "2.11.0"  # never finished, still counts
 
 
 def test_memory_bytes_beyond_32_bits_survives(tmp_path: Path):

@@ -60,3 +60,14 @@ def test_rows_with_unknown_kernels_or_bad_params_are_rejected_not_fatal(tiny_tab
     assert d.status.usable and d.status.rows == 1 and len(d.status.rejected_rows) == 2
     assert any("gone_kernel" in r for r in d.status.rejected_rows)
     assert d.select(TINY.problem(1)).bucket == 64  # the one valid row serves the shape
+
+
+def test_table_from_another_environment_is_ignored(tiny_table, tmp_path, cpu_sku):
+    path = tmp_path / "old.db"
+    path.write_bytes(tiny_table.read_bytes())
+    with sqlite3.connect(path) as con:
+        con.execute("""UPDATE tuning_run SET environment = json_set(environment, '$.torch',
+                       '1.13.1')""")
+    d = Dispatcher.load(path, cpu_sku)
+    assert not d.status.usable and "torch 1.13 (table)" in d.status.reason
+    assert Dispatcher.load(path, cpu_sku, check_environment=False).status.usable
