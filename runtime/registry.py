@@ -30,6 +30,10 @@ class Registry:
         self._loaded[kernel.name] = kernel
         self._paths.setdefault(kernel.name, f"{kernel.__module__}:{kernel.__qualname__}")
 
+    def paths(self) -> dict[str, str]:
+        """Name -> ``module:Class`` of every kernel (how another process rebuilds this registry)."""
+        return dict(self._paths)
+
     def names(self) -> list[str]:
         return list(self._paths)
 
