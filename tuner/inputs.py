@@ -9,7 +9,7 @@ import torch
 
 from moetune.runtime.kernels.base import MoEWeights
 from moetune.runtime.kernels.quant import quantize_weights
-from moetune.runtime.problem import MoEProblem
+from moetune.runtime.problem import MoEProblem, QuantScheme
 
 
 class Routing(str, enum.Enum):
@@ -37,20 +37,18 @@ def _dtype(problem: MoEProblem) -> torch.dtype:
 
 
 def make_weights(problem: MoEProblem, device: str, seed: int = 0) -> MoEWeights:
-    """Weights scaled by 1/sqrt(fan_in) so outputs stay O(1) in every dtype."""
-    gen = torch.Generator(device="cpu").manual_seed(seed)
+    """Weights scaled by 1/sqrt(fan_in) so outputs stay O(1) in every dtype.
+
+    Drawn on ``device`` itself: a model's experts are gigabytes, too slow to draw on a CPU.
+    """
+    gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
     n1 = 2 * i if problem.gated else i
-    w13 = torch.randn(e, n1, h, generator=gen) / h ** 0.5
-    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
+    w13 = torch.randn(e, n1, h, generator=gen, device=device) / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=gen, device=device) / i ** 0.5
     weights = quantize_weights(w13, w2, problem.quant)
-    dtype = _dtype(problem)
-    if weights.w13.is_floating_point() and weights.w13.dtype == torch.float32:
-        weights.w13, weights.w2 = weights.w13.to(dtype), weights.w2.to(dtype)
-    for name in ("w13", "w2", "w13_scale", "w2_scale"):
-        t = getattr(weights, name)
-        if t is not None:
-            setattr(weights, name, t.to(device))
+    if problem.quant is QuantScheme.NONE:
+        weights.w13, weights.w2 = weights.w13.to(_dtype(problem)), weights.w2.to(_dtype(problem))
     return weights
 
 
