@@ -16,6 +16,15 @@ KERNEL_PATHS: dict[str, str] = {
     "torch_loop": "moetune.runtime.kernels.torch_loop:TorchLoopKernel",
     "torch_grouped": "moetune.runtime.kernels.torch_grouped:TorchGroupedKernel",
     "torch_dense": "moetune.runtime.kernels.torch_dense:TorchDenseKernel",
+    "torch_scaled_grouped": "moetune.runtime.kernels.torch_scaled_grouped:TorchScaledGroupedKernel",
+    "aiter_triton": "moetune.runtime.kernels.aiter_triton:AiterTritonKernel",
+    "aiter_triton_split": "moetune.runtime.kernels.aiter_triton_split:AiterTritonSplitKernel",
+    "aiter_triton_silu_fused": "moetune.runtime.kernels.aiter_triton_silu_fused:AiterTritonSiluFusedKernel",
+    "aiter_triton_gelu_fused": "moetune.runtime.kernels.aiter_triton_gelu_fused:AiterTritonGeluFusedKernel",
+    "aiter_triton_e2e": "moetune.runtime.kernels.aiter_triton_e2e:AiterTritonE2EKernel",
+    "aiter_fused_moe": "moetune.runtime.kernels.aiter_fused_moe:AiterFusedMoeKernel",
+    "aiter_asm_tkw1": "moetune.runtime.kernels.aiter_asm_tkw1:AiterAsmTkw1Kernel",
+    "aiter_asm_blockscale": "moetune.runtime.kernels.aiter_asm_blockscale:AiterAsmBlockscaleKernel",
 }
 
 

