@@ -34,6 +34,9 @@ def test_mixtral_config_with_tp(tmp_path):
                             "hidden_act": "silu"})
     shape = shape_from_config(path, tp=2)
     assert (shape.hidden_size, shape.intermediate_size, shape.num_experts) == (4096, 7168, 8)
+    new_style = write(tmp_path, {"hidden_size": 64, "intermediate_size": 128,
+                                 "num_local_experts": 4, "dtype": "float32"})
+    assert shape_from_config(new_style).dtype.value == "float32"  # transformers 5 key
 
 
 def test_deepseek_config_with_block_fp8_and_ep(tmp_path):

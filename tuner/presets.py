@@ -86,7 +86,8 @@ def shape_from_config(path: Path, *, tp: int = 1, ep: int = 1,
                  QuantScheme.FP8_PER_CHANNEL if qcfg.get("weight_scheme") == "channel" else
                  QuantScheme.FP8_PER_TENSOR)
     act = "gelu" if "gelu" in str(cfg.get("hidden_act", "silu")) else "silu"
-    torch_dtype = dtype or str(cfg.get("torch_dtype") or "bfloat16")
+    # transformers 5 writes "dtype"; older versions "torch_dtype".
+    torch_dtype = dtype or str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
     on_input = cfg.get("model_type") in ("llama4", "llama4_text")
     shape = Shape(cfg["hidden_size"], inter // tp, experts // ep,
                   cfg.get("num_experts_per_tok", 2), parse_enum(DType, torch_dtype), quant,
