@@ -181,3 +181,11 @@ def test_confirmation_gives_near_ties_to_the_baseline_and_real_wins_to_the_winne
     win = confirm(small_problem, cpu_sku, ScriptedMeasurer(
         {"torch_loop": (100.0, 5.0), "torch_grouped": (50.0, 1.0)}), results)
     assert win.winner.kernel == "torch_grouped" and win.speedup == 2.0
+
+
+def test_isolated_job_reuses_one_worker_across_buckets(tmp_path, cpu_sku):
+    problems = [MoEProblem(m, 64, 96, 8, 2, dtype="float32") for m in (1, 8)]
+    outcomes = run_job(problems, tmp_path / "t.db", cpu_sku,
+                       JobOptions(device="cpu", trials=3, reps=2, isolate=True))
+    assert [o.error for o in outcomes] == [None, None]
+    assert sorted(r.bucket["num_tokens"] for r in db.read_winners(tmp_path / "t.db").rows) == [1, 8]

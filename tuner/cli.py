@@ -88,6 +88,10 @@ def tune(
     trials: Annotated[int, typer.Option(min=1, help="Optuna trials per bucket")] = 24,
     routing: Annotated[Routing, typer.Option(help="Expert load distribution")] = Routing.UNIFORM,
     seed: Annotated[int, typer.Option(help="Seed for inputs and the sampler")] = 0,
+    reps: Annotated[int, typer.Option(min=2, help="Timed repetitions per measurement")] = 20,
+    isolate: Annotated[Optional[bool], typer.Option(
+        "--isolate/--no-isolate", help="Measure in a restartable worker process "
+        "(default: on for CUDA)")] = None,
     from_misses: Annotated[Optional[Path], typer.Option(
         help="Tune exactly the buckets a serving process recorded (MOETUNE_MODE=record)")] = None,
     optuna_storage: Annotated[Optional[str], typer.Option(
@@ -103,8 +107,8 @@ def tune(
         problems = [shape.problem(m) for m in parse_buckets(buckets, default_buckets)]
     sku = detect_sku(device.value)
     dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
-    opts = JobOptions(device=dev, trials=trials, seed=seed, routing=routing,
-                      optuna_storage=optuna_storage)
+    opts = JobOptions(device=dev, trials=trials, seed=seed, routing=routing, reps=reps,
+                      optuna_storage=optuna_storage, isolate=isolate)
     out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {output}")
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("", total=trials)

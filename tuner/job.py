@@ -81,11 +81,18 @@ def run_job(problems: Iterable[MoEProblem], output: Path, sku: SKU, opts: JobOpt
                               command=" ".join(sys.argv), commit=source_commit(),
                               driver=environment().get("cuda") or environment().get("hip")).id
     outcomes = []
-    for problem in problems:
-        outcome = _tune_bucket(problem, output, sku, opts, registry, run_id, on_trial)
-        outcomes.append(outcome)
-        if on_bucket:
-            on_bucket(outcome)
+    problems = list(problems)
+    worker = IsolatedMeasurer(problems[0], opts.device, registry, routing=opts.routing,
+                              seed=opts.seed, reps=opts.reps) if opts.isolated and problems else None
+    try:
+        for problem in problems:
+            outcome = _tune_bucket(problem, output, sku, opts, registry, run_id, on_trial, worker)
+            outcomes.append(outcome)
+            if on_bucket:
+                on_bucket(outcome)
+    finally:
+        if worker is not None:
+            worker.close()
     status = db.RunStatus.FAILED if any(o.error for o in outcomes) else db.RunStatus.FINISHED
     with db.write_table(output) as table, table.session() as s:
         db.finish_run(s, s.get(db.TuningRun, run_id), status)
@@ -93,22 +100,20 @@ def run_job(problems: Iterable[MoEProblem], output: Path, sku: SKU, opts: JobOpt
 
 
 def _tune_bucket(problem: MoEProblem, output: Path, sku: SKU, opts: JobOptions,
-                 registry: Registry, run_id: int,
-                 on_trial: Callable[[], None] | None) -> BucketOutcome:
+                 registry: Registry, run_id: int, on_trial: Callable[[], None] | None,
+                 worker: IsolatedMeasurer | None) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     known = _known_results(output, sku, problem)
-    make = IsolatedMeasurer if opts.isolated else Measurer
-    measurer = make(problem, opts.device, registry, routing=opts.routing, seed=opts.seed,
-                    reps=opts.reps)
     try:
+        if worker:
+            worker.switch(problem)
+        measurer = worker or Measurer(problem, opts.device, registry, routing=opts.routing,
+                                      seed=opts.seed, reps=opts.reps)
         results = search(problem, sku, measurer, candidates, trials=opts.trials, seed=opts.seed,
                          known=known, storage=opts.optuna_storage, progress=on_trial)
         decision = confirm(problem, sku, measurer, results)
-    except TuningError as e:
+    except (TuningError, RuntimeError) as e:
         return BucketOutcome(problem, None, 0, len(known), str(e))
-    finally:
-        if isinstance(measurer, IsolatedMeasurer):
-            measurer.close()
     fresh = [r for k, r in results.items() if k not in known]
     with db.write_table(output) as table, table.session() as s:
         run = s.get(db.TuningRun, run_id)

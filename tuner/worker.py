@@ -3,6 +3,7 @@ context (an illegal memory access poisons every later call) costs one result, no
 
 The child holds a ``Measurer``; after a failure on CUDA it checks the context with a
 synchronize and, if that fails, exits so the parent starts a fresh child for the next candidate.
+One child serves bucket after bucket (``switch``), so its compiled kernels stay warm.
 """
 
 from __future__ import annotations
@@ -27,7 +28,11 @@ def _child(conn: Connection, problem: MoEProblem, device: str, paths: dict[str, 
             op, kernel, params, n = conn.recv()
         except EOFError:
             return
-        if op == "measure":
+        if op == "problem":  # ``kernel`` carries the next problem
+            measurer = Measurer(kernel, device, Registry(paths), routing=routing, seed=seed,
+                                reps=reps)
+            conn.send((None, True))
+        elif op == "measure":
             result = measurer.measure(kernel, params)
             healthy = result.status is not Status.FAILED or _context_healthy(device)
             conn.send((result, healthy))
@@ -63,6 +68,18 @@ class IsolatedMeasurer:
         self._proc_exit: int | None = None
         self.restarts = 0
 
+    def switch(self, problem: MoEProblem) -> None:
+        """Measure ``problem`` from now on, in the same child when it is alive.
+
+        Raises:
+            RuntimeError: the child could not set the problem up (e.g. out of memory).
+        """
+        self._args = (problem, *self._args[1:])
+        if self._proc is not None and self._proc.is_alive():
+            reply = self._call("problem", problem, {}, 0)  # type: ignore[arg-type]
+            if reply is not None:
+                raise RuntimeError(f"setting up {problem.describe()} failed: {reply}")
+
     def measure(self, kernel: str, params: dict[str, Any]) -> Result:
         reply = self._call("measure", kernel, params, 0)
         if isinstance(reply, Result):
@@ -84,7 +101,7 @@ class IsolatedMeasurer:
                 self._proc.kill()
             self._proc = self._conn = None
 
-    def _call(self, op: str, kernel: str, params: dict[str, Any], n: int) -> Any:
+    def _call(self, op: str, kernel: Any, params: dict[str, Any], n: int) -> Any:
         """The child's reply, or a string saying how the child died."""
         if self._proc is None or not self._proc.is_alive():
             started = self._start()
