@@ -19,6 +19,9 @@ from moetune.tuner.timing import Timing
 
 Key = tuple[str, str]
 
+# Repeats and pruned configurations cost an ask but no budget; this bounds the asks.
+_MAX_ASKS_PER_TRIAL = 20
+
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
@@ -40,7 +43,11 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
            *, trials: int, seed: int = 0, known: dict[Key, Result] | None = None,
            storage: optuna.storages.BaseStorage | str | None = None,
            progress: Callable[[], None] | None = None) -> dict[Key, Result]:
-    """Run up to ``trials`` Optuna trials; the rule's pick is enqueued first.
+    """Measure up to ``trials`` distinct configurations chosen by an Optuna study.
+
+    The rule's pick is enqueued first, then every other kernel's seed configuration (so each
+    family is measured at least once at a sensible point before the sampler specializes).
+    Configurations pruned before running and repeats do not use up the budget.
 
     Args:
         known: results measured earlier (a resumed job); they are told to Optuna, not re-timed.
@@ -57,14 +64,18 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(trials // 3, 1)))
     study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
                                 study_name=f"moetune:{problem.describe()}", load_if_exists=True)
-    study.enqueue_trial({"kernel": rule.kernel,
-                         **{f"{rule.kernel}.{k}": v for k, v in rule.params.items()}})
+    starts = [(rule.kernel, rule.params)] + [
+        (k.name, k.seed_params(problem)) for k in candidates if k.name != rule.kernel]
+    for name, params in starts:
+        if params is not None:
+            study.enqueue_trial({"kernel": name, **{f"{name}.{k}": v for k, v in params.items()}})
     results: dict[Key, Result] = {}
     known = known or {}
     space = sum(k.space_size() for k in candidates)
-    for _ in range(trials):
-        if len(results) >= space:
-            break  # every configuration has been seen
+    measured = 0
+    for _ in range(trials * _MAX_ASKS_PER_TRIAL):
+        if measured >= trials or len(results) >= space:
+            break  # budget spent, or every configuration seen
         trial = study.ask()
         kernel = by_name[trial.suggest_categorical("kernel", names)]
         params = kernel.suggest(trial)
@@ -74,9 +85,11 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
             results[key] = known.get(key) or (
                 Result(kernel.name, params, Status.PRUNED, reason=why) if why
                 else measurer.measure(kernel.name, params))
+            if results[key].status is not Status.PRUNED:
+                measured += 1
+                if progress:
+                    progress()
         result = results[key]
-        if progress:
-            progress()
         if result.status is Status.OK:
             study.tell(trial, result.median_us)
         else:

@@ -17,7 +17,7 @@ from moetune.runtime import aiter_loader
 from moetune.runtime.kernels._math import activate
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.kernels.triton_config import (
-    QUANT_BLOCK, check_config, config_of, config_params)
+    QUANT_BLOCK, check_config, config_of, config_params, vllm_default_config)
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
@@ -33,6 +33,7 @@ class AiterTritonKernel(BaseKernel):
 
     name = "aiter_triton"
     params = config_params()
+    graph_safe = True  # routing by ``_align`` (no host sync), Triton launches sized by shapes
     #: The aiter modules a kernel runs (keys of ``aiter_loader.MODULES``).
     modules: ClassVar[tuple[str, ...]] = ("moe_op",)
     quants: ClassVar[frozenset[QuantScheme]] = frozenset(QuantScheme)
@@ -75,6 +76,11 @@ class AiterTritonKernel(BaseKernel):
         """The Triton configs of GEMM1 and GEMM2."""
         config = config_of(params)
         return config, config
+
+    @classmethod
+    def seed_params(cls, problem: MoEProblem) -> dict[str, Any] | None:
+        """vLLM's default config (the CUDA rule's), so each family starts where serving is."""
+        return vllm_default_config(problem)
 
     @classmethod
     def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:

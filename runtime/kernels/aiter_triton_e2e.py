@@ -44,6 +44,10 @@ class AiterTritonE2EKernel(AiterTritonKernel):
     quants = frozenset({QuantScheme.NONE})
 
     @classmethod
+    def seed_params(cls, problem: MoEProblem) -> dict[str, Any] | None:
+        return None  # its space is not vLLM's: no serving default to start from
+
+    @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
         if problem.activation is not Activation.SILU or not problem.gated:
             return "fuses gated SiLU only"

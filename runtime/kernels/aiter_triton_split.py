@@ -10,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
-from moetune.runtime.kernels.triton_config import config_of, config_params
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.kernels.triton_config import (
+    config_of, config_params, vllm_default_config, with_prefix)
 
 
 class AiterTritonSplitKernel(AiterTritonKernel):
@@ -22,3 +24,8 @@ class AiterTritonSplitKernel(AiterTritonKernel):
     @classmethod
     def configs(cls, params: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
         return config_of(params, "g1_"), config_of(params, "g2_")
+
+    @classmethod
+    def seed_params(cls, problem: MoEProblem) -> dict[str, Any] | None:
+        default = vllm_default_config(problem)
+        return with_prefix(default, "g1_") | with_prefix(default, "g2_")

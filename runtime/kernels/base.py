@@ -64,13 +64,16 @@ class BaseKernel(abc.ABC):
     MAY override: ``params`` (default: none), ``layout`` (default PLAIN), ``_supports_quant``
     (default: unquantized only), ``_supports_problem`` (shape limits), ``check_params``
     (constraints across parameters, e.g. shared memory), ``candidate`` (False keeps a kernel out
-    of tuning, like the float32 reference).
+    of tuning, like the float32 reference), ``graph_safe``.
     """
 
     name: ClassVar[str]
     layout: ClassVar[WeightLayout] = WeightLayout.PLAIN
     params: ClassVar[tuple[Param, ...]] = ()
     candidate: ClassVar[bool] = True
+    #: True if the prepared callable never syncs with the host (no ``.item()``, ``.tolist()``,
+    #: ``bincount``/``nonzero`` on the GPU), so it can run while a CUDA graph is captured.
+    graph_safe: ClassVar[bool] = False
 
     # --- eligibility -------------------------------------------------------------------------
     @classmethod
@@ -110,6 +113,11 @@ class BaseKernel(abc.ABC):
         """Sample parameters conditionally on this kernel (names are prefixed by the kernel)."""
         return {p.name: trial.suggest_categorical(f"{cls.name}.{p.name}", p.choices)
                 for p in cls.params}
+
+    @classmethod
+    def seed_params(cls, problem: MoEProblem) -> dict[str, Any] | None:
+        """A known-good configuration the search measures first (None: let the sampler pick)."""
+        return {} if not cls.params else None
 
     @classmethod
     def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
