@@ -71,3 +71,19 @@ def test_table_from_another_environment_is_ignored(tiny_table, tmp_path, cpu_sku
     d = Dispatcher.load(path, cpu_sku)
     assert not d.status.usable and "torch 1.13 (table)" in d.status.reason
     assert Dispatcher.load(path, cpu_sku, check_environment=False).status.usable
+
+
+def test_shipped_h200_table_serves_mixtral_on_an_h200():
+    from pathlib import Path
+
+    import moetune.runtime
+    from moetune.tuner.presets import preset
+
+    shipped = Path(moetune.runtime.__file__).parent / "tables" / "nvidia_H200.db"
+    h200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)
+    d = Dispatcher.load(shipped, h200, check_environment=False)  # measured under CUDA 13
+    assert d.status.usable and d.status.rows >= 17 and not d.status.rejected_rows
+    mixtral = preset("mixtral-8x7b").shape
+    picks = {d.select(mixtral.problem(m)).kernel for m in (1, 300, 2048)}
+    assert picks <= {"aiter_triton_silu_fused", "aiter_triton", "torch_loop"}
+    assert all(d.select(mixtral.problem(m)).source == "table" for m in (1, 300, 5000))
