@@ -104,6 +104,10 @@ class Dispatcher:
         """Whether the table has a usable row for ``shape`` at any num_tokens."""
         return shape in self._points
 
+    def buckets(self, shape: Shape) -> tuple[int, ...]:
+        """The num_tokens of the table's usable rows for ``shape``, ascending (empty if none)."""
+        return tuple(self._points.get(shape, ()))
+
     def _decide(self, problem: MoEProblem, layout: WeightLayout) -> Selection:
         points = self._points.get(problem.shape)
         if not self.status.usable:

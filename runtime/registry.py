@@ -17,6 +17,7 @@ KERNEL_PATHS: dict[str, str] = {
     "torch_grouped": "moetune.runtime.kernels.torch_grouped:TorchGroupedKernel",
     "torch_dense": "moetune.runtime.kernels.torch_dense:TorchDenseKernel",
     "torch_scaled_grouped": "moetune.runtime.kernels.torch_scaled_grouped:TorchScaledGroupedKernel",
+    "vllm_cpu_experts": "moetune.runtime.kernels.vllm_cpu_experts:VllmCpuExpertsKernel",
     "aiter_triton": "moetune.runtime.kernels.aiter_triton:AiterTritonKernel",
     "aiter_triton_split": "moetune.runtime.kernels.aiter_triton_split:AiterTritonSplitKernel",
     "aiter_triton_silu_fused": "moetune.runtime.kernels.aiter_triton_silu_fused:AiterTritonSiluFusedKernel",

@@ -11,6 +11,7 @@ from typing import Any, Callable
 
 from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
 from moetune.runtime.kernels.triton_config import vllm_default_config
+from moetune.runtime.kernels.vllm_cpu_experts import VllmCpuExpertsKernel
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import MoEProblem, QuantScheme
 
@@ -23,8 +24,14 @@ class RuleChoice:
 
 
 def cpu_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
-    """CPU: the plain per-expert torch loop."""
-    return RuleChoice("torch_loop", {}, "CPU rule: plain torch per-expert loop")
+    """CPU: what vLLM runs there, its C++ fused-MoE kernel (``CPUUnquantizedExperts``), when
+    vLLM is installed and runs the problem; the plain per-expert torch loop otherwise, saying why."""
+    ok, why = VllmCpuExpertsKernel.supports(problem, sku)
+    if ok:
+        return RuleChoice("vllm_cpu_experts", {},
+                          f"CPU rule: vLLM's CPU fused-MoE kernel (isa "
+                          f"{VllmCpuExpertsKernel.isa(problem)}), what vLLM runs here")
+    return RuleChoice("torch_loop", {}, f"CPU rule: plain torch per-expert loop ({why})")
 
 
 def rocm_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:

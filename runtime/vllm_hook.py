@@ -7,11 +7,16 @@ prepare and finalize steps, which stay vLLM's. Dispatch is two-level, as DESIGN.
 
 * per layer, at load (or first call): the layer's shape, and its weights in a layout a moetune
   kernel can run. Triton keeps the plain (E, N, K) weights, so they are used as they are; vLLM's
-  CPU experts prepack theirs in ``process_weights_after_loading``, so for layers whose shape the
-  table covers a plain copy is kept before that (memory: one more copy of those experts).
-* per call: ``plan[num_tokens]`` -> the prepared winner or None (run vLLM's own ``apply``);
-  filled once per num_tokens through the dispatcher, then a dict lookup. The choice depends on
-  num_tokens only, so it is the same at CUDA-graph capture and at replay.
+  CPU experts prepack theirs in ``process_weights_after_loading``, so a plain copy is kept before
+  that, but only for layers where some bucket's table winner is not the rule's pick (memory: one
+  more copy of those experts; none where vLLM's own kernel wins every bucket).
+* per call: ``plan[num_tokens]`` -> the prepared winner or None (run vLLM's own ``apply``:
+  no table row, or the winner is the rule's pick, i.e. vLLM's kernel itself); filled once per
+  num_tokens through the dispatcher, then a dict lookup. The choice depends on num_tokens only;
+  while a CUDA graph is captured, winners that are not ``graph_safe`` give way to vLLM's kernel.
+  Where Dynamo traces the experts (vLLM on the CPU), layers that run a moetune kernel for some
+  num_tokens become one opaque op (``vllm_op``); the others trace vLLM's own ``apply``, as if
+  moetune were not there (those calls are not counted).
 """
 
 from __future__ import annotations
@@ -27,8 +32,8 @@ import torch
 from moetune.runtime import vllm_op
 from moetune.runtime.kernels.base import MoEWeights, WeightLayout
 from moetune.runtime.problem import Activation, DType, QuantScheme, Shape
-from moetune.runtime.vllm_layer import LayerPlan
-from moetune.runtime.vllm_state import PluginState
+from moetune.runtime.vllm_layer import LayerPlan, runs_moetune
+from moetune.runtime.vllm_state import Mode, PluginState
 
 logger = logging.getLogger("moetune")
 
@@ -173,16 +178,20 @@ def _attach(experts: Any, spec: ExpertsSpec, state: PluginState, w13: torch.Tens
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
         shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
     weights = None
-    if shape is not None and dispatcher.covers(shape):
-        if not spec.copy_at_load:
-            weights = MoEWeights(w13, w2)
-        elif at_load:
-            weights = MoEWeights(w13.detach().clone(), w2.detach().clone())
-            state.plain_copy_bytes += sum(t.numel() * t.element_size()
-                                          for t in (weights.w13, weights.w2))
+    covered = shape is not None and dispatcher.covers(shape)
+    runs = covered and runs_moetune(dispatcher, shape, spec.layout)
+    if covered and not spec.copy_at_load:
+        weights = MoEWeights(w13, w2)
+    elif runs and at_load:
+        weights = MoEWeights(w13.detach().clone(), w2.detach().clone())
+        state.plain_copy_bytes += sum(t.numel() * t.element_size()
+                                      for t in (weights.w13, weights.w2))
     apply = type(experts).apply
     layer = LayerPlan(state, shape, why, weights, spec.layout, experts,
                       getattr(apply, _MARK, apply), getattr(apply, _PROBE, _never))
+    # Traced, a layer that never runs a moetune kernel is vLLM's own apply, uncounted (record
+    # mode keeps the op: it must see every num_tokens to record the missed ones).
+    layer.traced_op = (runs and weights is not None) or state.settings.mode is Mode.RECORD
     layer.activation = getattr(experts.moe_config, "activation", None)
     layer.op_id = vllm_op.bind(layer.run_traced)
     experts.__dict__[_ATTR] = layer
@@ -209,7 +218,7 @@ def _wrap_apply(original: Callable[..., Any], spec: ExpertsSpec, state: PluginSt
               expert_tokens_meta: Any, apply_router_weight_on_input: bool) -> Any:
         if torch.compiler.is_compiling():  # traced (vLLM on CPU): one opaque op per layer
             layer = getattr(self, _ATTR, None)
-            if (layer is None or expert_tokens_meta is not None
+            if (layer is None or not layer.traced_op or expert_tokens_meta is not None
                     or activation is not layer.activation):
                 return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids,
                                 activation, global_num_experts, expert_map, a1q_scale,

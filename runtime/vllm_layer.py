@@ -2,8 +2,10 @@
 
 ``LayerPlan.run`` is the per-call path behind the hook: ``plan[num_tokens]`` (filled once per
 value through the dispatcher) says whether the table's prepared winner runs or vLLM's own
-``apply``; hits, misses and fallbacks are counted per layer shape. Nothing here knows vLLM's
-classes: the hook hands in the experts object and its original ``apply``.
+``apply``; hits, misses and fallbacks are counted per layer shape. A table winner that is the
+rule's own pick (the tuning baseline: what vLLM runs) is a hit served by vLLM's ``apply`` itself,
+so only winners that beat vLLM's kernel run through moetune. Nothing here knows vLLM's classes:
+the hook hands in the experts object and its original ``apply``.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights, WeightLayout, params_key
 from moetune.runtime.problem import MoEProblem, Shape
+from moetune.runtime.rules import rule_choice
 from moetune.runtime.vllm_state import Outcome, PluginState, shape_label
 
 logger = logging.getLogger("moetune")
@@ -24,13 +27,34 @@ logger = logging.getLogger("moetune")
 
 @dataclasses.dataclass
 class Step:
-    """What one num_tokens value runs in one layer."""
+    """What one num_tokens value runs in one layer: ``fn`` (a moetune kernel), or vLLM's own
+    ``apply`` when ``fn`` is None, counted as ``kind``."""
 
     fn: MoEFn | None
     kind: Outcome
     counts: dict[str, int]
     key: tuple[str, str] | None = None
     graph_safe: bool = False
+
+
+def is_rule_pick(selection: Any, problem: MoEProblem, sku: Any) -> bool:
+    """Whether ``selection`` is what the rule picks for ``problem``: the tuning baseline, i.e.
+    the kernel vLLM itself runs, which its own ``apply`` serves best (no copy, no wrapper)."""
+    if selection.source != "table":
+        return True
+    rule = rule_choice(problem, sku)
+    return (selection.kernel, params_key(selection.params)) == (rule.kernel,
+                                                                params_key(rule.params))
+
+
+def runs_moetune(dispatcher: Any, shape: Shape, layout: WeightLayout) -> bool:
+    """Whether some bucket of ``shape`` in the table has a winner other than the rule's pick,
+    i.e. whether the layer ever runs a moetune kernel (and needs weights one can run)."""
+    for m in dispatcher.buckets(shape):
+        problem = shape.problem(m)
+        if not is_rule_pick(dispatcher.select(problem, layout), problem, dispatcher.sku):
+            return True
+    return False
 
 
 class LayerPlan:
@@ -42,6 +66,7 @@ class LayerPlan:
         self.state, self.shape, self.weights, self.layout = state, shape, weights, layout
         self.experts, self.original, self.capturing = experts, original, capturing
         self.op_id: int | None = None  # its index in ``vllm_op`` (the traced path)
+        self.traced_op = True  # traced calls go through ``vllm_op`` (else vLLM's own apply)
         self.activation: Any = None  # vLLM's activation enum, passed on for traced calls
         self.counts = state.counter(shape if shape is not None else f"not handled: {why}")
         self.plan: dict[int, Step] = {}
@@ -72,6 +97,8 @@ class LayerPlan:
             return Step(None, kind, self.counts)
         if selection.bucket != bucket.num_tokens:
             self.state.record_miss(problem)  # a neighbour's winner runs; tune this bucket too
+        if is_rule_pick(selection, problem, dispatcher.sku):
+            return Step(None, Outcome.HIT, self.counts)  # the winner is vLLM's own kernel
         key = (selection.kernel, params_key(selection.params))
         if self.weights is None or key in self._broken:
             return Step(None, Outcome.FALLBACK, self.counts)
@@ -83,7 +110,7 @@ class LayerPlan:
             except Exception as e:  # noqa: BLE001 - a kernel that cannot bind: vLLM runs
                 self._break(key, e)
                 return Step(None, Outcome.FALLBACK, self.counts)
-        return Step(fn, Outcome.HIT, self.counts, key, bool(getattr(kernel, "graph_safe", False)))
+        return Step(fn, Outcome.HIT, self.counts, key, kernel.graph_safe)
 
     def failed(self, step: Step, error: Exception) -> None:
         """A winner raised: vLLM's kernel runs for every num_tokens that used it, from now on."""
@@ -99,13 +126,16 @@ class LayerPlan:
                        "instead", key[0], key[1],
                        shape_label(self.shape) if self.shape else "?", type(error).__name__, error)
 
-
     def run(self, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
             w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
             activation: Any, global_num_experts: int, expert_map: torch.Tensor | None,
             a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any,
             expert_tokens_meta: Any, apply_router_weight_on_input: bool) -> Any:
-        """One experts call: the table's winner into ``output``, or vLLM's own ``apply``."""
+        """One experts call: the table's winner into ``output``, or vLLM's own ``apply``.
+
+        A kernel that is not ``graph_safe`` never runs while a CUDA graph is being captured
+        (its host sync would break the capture): vLLM's kernel is captured instead.
+        """
         step = self.plan.get(hidden_states.shape[0]) or self.decide(hidden_states.shape[0])
         if step.fn is not None and expert_map is None and (step.graph_safe
                                                              or not self.capturing()):

@@ -37,7 +37,7 @@ class Mode(str, enum.Enum):
 class Outcome(str, enum.Enum):
     """What one MoE call ran. Counted per layer shape."""
 
-    HIT = "hit"  # the table's winner ran
+    HIT = "hit"  # the table's winner ran (vLLM's own kernel, when that is the winner)
     MISS = "miss"  # no table row for this shape (or no usable table): vLLM's own kernel ran
     FALLBACK = "fallback"  # the table had a winner that cannot run here: vLLM's kernel ran
 

@@ -1,12 +1,15 @@
 """Benchmark the vLLM plugin on the CPU: tokens/s of a tiny MoE model with and without it, and
 the dispatcher's per-call overhead.
 
-    python scripts/bench_vllm_plugin.py [--out bench/results/vllm-plugin-cpu-DATE.md]
+    python scripts/bench_vllm_plugin.py [--rounds 6] [--out bench/results/vllm-plugin-cpu-DATE.md]
 
 Steps: save the tiny random Mixtral of the engine tests (float32), tune its shape with
-``moetune tune --config`` at the benchmark's num_tokens, then run vLLM's real engine twice in
-fresh processes (MOETUNE_MODE=off, then lookup with that table), each timing greedy generation
-after a warm-up. Writes a Markdown report with the machine, date, commit and command.
+``moetune tune --config`` at the benchmark's num_tokens (the baseline is the CPU rule's pick:
+vLLM's own CPU kernel), then run vLLM's real engine in fresh processes, MOETUNE_MODE=off and
+lookup with that table, one process of each per round in shuffled order (so drift on the
+machine hits both alike), ``--rounds`` rounds eager and then compiled; each process times
+greedy generation after a warm-up and lists the ops of one profiled generate. Writes a
+Markdown report with the machine, date, commit and command.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import datetime
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import sys
@@ -29,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BATCH, PROMPT_LEN, MAX_TOKENS, REPEATS = 8, 32, 64, 5
 
 
-def child(model: str, out: str) -> None:
+def child(model: str, out: str, compiled: bool) -> None:
     """One engine in this process: warm up, then time ``REPEATS`` greedy generations."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -37,7 +41,7 @@ def child(model: str, out: str) -> None:
 
     from moetune.runtime import vllm_plugin
 
-    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=True, max_model_len=256,
+    llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=not compiled, max_model_len=256,
               gpu_memory_utilization=0.3, dtype="float32", seed=0,
               distributed_executor_backend="uni")
     prompts = [{"prompt_token_ids": [(7 * b + 3 * i) % 500 + 1 for i in range(PROMPT_LEN)]}
@@ -50,14 +54,20 @@ def child(model: str, out: str) -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         elapsed = time.perf_counter() - start
         rates.append(sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed)
-    Path(out).write_text(json.dumps({"rates": rates, "stats": vllm_plugin.stats(),
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:  # which ops ran, not their time
+        llm.generate(prompts, params, use_tqdm=False)
+    ops = {e.key: e.count for e in prof.key_averages()}
+    Path(out).write_text(json.dumps({"rates": rates, "stats": vllm_plugin.stats(), "ops": ops,
                                      "tokens": [list(o.outputs[0].token_ids) for o in outputs]}))
 
 
-def engine(model: Path, out: Path, **env: str) -> dict:
+def engine(model: Path, out: Path, compiled: bool, **env: str) -> dict:
     full = {k: v for k, v in os.environ.items() if not k.startswith("MOETUNE_")} | env
-    proc = subprocess.run([sys.executable, __file__, "--child", str(model), str(out)], env=full,
-                          capture_output=True, text=True, check=False)
+    proc = subprocess.run([sys.executable, __file__, "--child", str(model), str(out),
+                           str(int(compiled))], env=full, capture_output=True, text=True,
+                          check=False)
     if proc.returncode:
         sys.exit(f"engine run failed ({env}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
@@ -65,7 +75,8 @@ def engine(model: Path, out: Path, **env: str) -> dict:
 
 def dispatch_overhead(table: Path, shape) -> dict[str, float]:
     """Nanoseconds per call: ``Dispatcher.select`` on a (memoized) hit, and the hook's own work
-    around vLLM's ``apply`` on a miss (wrapper vs. calling the no-op apply directly)."""
+    around vLLM's ``apply`` when vLLM's kernel runs (a miss, or a winner that is the rule's pick:
+    the same path), as the wrapper vs. calling the no-op apply directly."""
     import torch
 
     from moetune.runtime import vllm_hook
@@ -122,13 +133,15 @@ def commit() -> str:
     def git(*a: str) -> str:
         return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
                               check=False).stdout.strip()
-    return git("rev-parse", "--short", "HEAD") + (" (dirty tree)" if git("status", "--porcelain")
-                                                  else "")
+    return git("rev-parse", "HEAD") + (" plus uncommitted changes" if git("status", "--porcelain")
+                                       else "")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     today = datetime.date.today().isoformat()
+    parser.add_argument("--rounds", type=int, default=6,
+                        help="engine processes per mode (one of each per round, shuffled)")
     parser.add_argument("--out", type=Path,
                         default=ROOT / "bench" / "results" / f"vllm-plugin-cpu-{today}.md")
     args = parser.parse_args()
@@ -148,18 +161,57 @@ def main() -> None:
         tune = ["moetune", "tune", "--config", str(model / "config.json"), "--dtype", "float32",
                 "--buckets", buckets, "--trials", "12", "--device", "cpu", "--output", str(table)]
         subprocess.run(tune, check=True, capture_output=True)
-        off = engine(model, work / "off.json", MOETUNE_MODE="off")
-        on = engine(model, work / "on.json", MOETUNE_MODE="lookup", MOETUNE_TABLE=str(table))
+        runs: dict[tuple[bool, str], list[dict]] = {}
+        order = random.Random(0)
+        for compiled in (False, True):
+            for i in range(args.rounds):  # one process of each mode per round, in random order
+                modes = [("off", {}), ("lookup", {"MOETUNE_TABLE": str(table)})]
+                order.shuffle(modes)
+                for mode, env in modes:
+                    out = work / f"{mode}-{int(compiled)}-{i}.json"
+                    runs.setdefault((compiled, mode), []).append(
+                        engine(model, out, compiled, MOETUNE_MODE=mode, **env))
         shown = subprocess.run(["moetune", "show", str(table)], capture_output=True, text=True,
                                check=True, env=os.environ | {"COLUMNS": "140"}).stdout
         overhead = dispatch_overhead(table, shape)
 
-    def rate(r: dict) -> str:
-        return (f"{statistics.median(r['rates']):.1f} tok/s (min {min(r['rates']):.1f}, "
-                f"max {max(r['rates']):.1f})")
+    def pooled(compiled: bool, mode: str) -> list[float]:
+        return [r for run in runs[(compiled, mode)] for r in run["rates"]]
 
-    (counts,) = on["stats"]["counters"].values()
-    speed = statistics.median(on["rates"]) / statistics.median(off["rates"])
+    def rate(compiled: bool, mode: str) -> str:
+        rates = pooled(compiled, mode)
+        return f"{statistics.median(rates):.1f} (min {min(rates):.1f}, max {max(rates):.1f})"
+
+    def ratio(compiled: bool) -> float:
+        return statistics.median(pooled(compiled, "lookup")) / statistics.median(
+            pooled(compiled, "off"))
+
+    def per_round(compiled: bool) -> str:
+        return ", ".join(
+            f"{statistics.median(b['rates']) / statistics.median(a['rates']):.3f}x"
+            for a, b in zip(runs[(compiled, "off")], runs[(compiled, "lookup")]))
+
+    def ops(compiled: bool, mode: str) -> dict[str, int]:
+        """Torch ops of one profiled generate (wrappers such as Dynamo's and the profiler's own
+        ranges left out)."""
+        return {k: n for k, n in runs[(compiled, mode)][0]["ops"].items() if "::" in k}
+
+    def same_ops(compiled: bool) -> str:
+        off_ops, on_ops = ops(compiled, "off"), ops(compiled, "lookup")
+        if off_ops == on_ops:
+            return f"identical ({len(off_ops)} ops, {sum(off_ops.values())} calls)"
+        diff = sorted(set(off_ops.items()) ^ set(on_ops.items()))
+        return "different: " + ", ".join(f"{k} x{n}" for k, n in diff[:8])
+
+    def moe_calls(compiled: bool, mode: str) -> str:
+        found = ops(compiled, mode)
+        return ", ".join(f"`{k}` x{found.get(k, 0)}"
+                         for k in ("_C::cpu_fused_moe", "moetune::experts_apply"))
+
+    tokens = [run["tokens"] for group in runs.values() for run in group]
+    same_tokens = all(t == tokens[0] for t in tokens)
+    stats = {c: runs[(c, "lookup")][0]["stats"] for c in (False, True)}
+    counts = {c: next(iter(stats[c]["counters"].values())) for c in (False, True)}
     report = f"""# vLLM plugin on the CPU: tiny Mixtral with and without moetune
 
 - date: {today}
@@ -170,18 +222,34 @@ def main() -> None:
 
 Model: random Mixtral-style, hidden 128, 8 experts (intermediate 64), top-2, 2 layers, float32.
 Workload: {BATCH} prompts x {PROMPT_LEN} tokens, {MAX_TOKENS} greedy tokens each
-(`ignore_eos`), vLLM engine in-process (`uni` executor, `enforce_eager`), median of {REPEATS}
-timed runs after one warm-up. Table: `moetune tune --config ... --buckets {buckets}
---trials 12 --device cpu` on this machine.
+(`ignore_eos`), vLLM engine in-process (`uni` executor), eager (`enforce_eager`) and compiled
+(vLLM's default on the CPU: Dynamo traces the model, MoE layers included). {REPEATS} timed runs
+after one warm-up per engine process; {args.rounds} processes per row, one off and one
+lookup per round in shuffled order; each row pools the {REPEATS * args.rounds} runs of its
+processes. Table: `moetune tune --config ... --buckets {buckets} --trials 12 --device cpu` on
+this machine.
 
-| plugin | tokens/s |
-| --- | --- |
-| off (vLLM's `CPUUnquantizedExperts`) | {rate(off)} |
-| lookup (table winners) | {rate(on)} |
+| vLLM | plugin | tokens/s, median (min, max) | with / without |
+| --- | --- | --- | --- |
+| `enforce_eager` | off (vLLM's `CPUUnquantizedExperts`) | {rate(False, "off")} | |
+| `enforce_eager` | lookup (table winners) | {rate(False, "lookup")} | **{ratio(False):.3f}x** |
+| `torch.compile` (vLLM's CPU default) | off | {rate(True, "off")} | |
+| `torch.compile` (vLLM's CPU default) | lookup | {rate(True, "lookup")} | **{ratio(True):.3f}x** |
 
-With the plugin / without: **{speed:.2f}x**. Same greedy tokens: {on['tokens'] == off['tokens']}.
-Worker counters with the plugin: {counts['hit']} hits, {counts['miss']} misses,
-{counts['fallback']} fallbacks ({on['stats']['layers']} MoE layers).
+With / without per round: eager {per_round(False)}; compiled {per_round(True)}.
+Same greedy tokens in every run: {same_tokens}.
+
+Ops of one profiled generate (torch profiler; off vs lookup): eager {same_ops(False)};
+compiled {same_ops(True)}. MoE ops with the plugin: eager {moe_calls(False, "lookup")};
+compiled {moe_calls(True, "lookup")}.
+
+Worker counters with the plugin (first lookup process of each kind): eager {counts[False]['hit']}
+hits, {counts[False]['miss']} misses, {counts[False]['fallback']} fallbacks; compiled
+{counts[True]['hit']} hits, {counts[True]['miss']} misses, {counts[True]['fallback']} fallbacks
+({stats[False]['layers']} MoE layers). Plain weight copies kept: {stats[False]['plain_copy_bytes']}
+bytes. A hit whose winner is the rule's pick (`vllm_cpu_experts`) is served by vLLM's own `apply`;
+only other winners run moetune kernels. Compiled, a layer whose winners are all the rule's pick
+traces vLLM's own `apply` (no moetune op in the graph), so its calls are not counted.
 
 Per-call overhead (single thread, {platform.python_implementation()}):
 
@@ -189,7 +257,7 @@ Per-call overhead (single thread, {platform.python_implementation()}):
 | --- | --- |
 | `Dispatcher.select` on a hit (memoized) | {overhead['select_hit_ns']:.0f} |
 | building a `MoEProblem` (what the hook avoids per call) | {overhead['problem_build_ns']:.0f} |
-| the hook around vLLM's `apply` on a miss (plan lookup + counter) | {overhead['hook_miss_overhead_ns']:.0f} |
+| the hook around vLLM's `apply` when vLLM's kernel runs (plan lookup + counter) | {overhead['hook_miss_overhead_ns']:.0f} |
 
 The table used:
 
@@ -197,9 +265,9 @@ The table used:
 {shown.strip()}
 ```
 
-Note: the tuner's CPU baseline is `torch_loop` (runtime/rules.py), not vLLM's C++
-`cpu_fused_moe`, so the table's "speedup" column is not the speedup over what vLLM runs on the
-CPU; the tokens/s rows above are.
+Baseline: the CPU rule (runtime/rules.py) is `vllm_cpu_experts`, vLLM's own C++ `cpu_fused_moe`
+on weights prepacked as vLLM prepacks them, so the table's "speedup" column is over what vLLM
+runs on this CPU.
 """
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(report)
@@ -207,7 +275,7 @@ CPU; the tokens/s rows above are.
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 4 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3])
+    if len(sys.argv) == 5 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], sys.argv[4] == "1")
     else:
         main()

@@ -1,5 +1,6 @@
 """The `moetune` command line, run in-process through typer's runner on real tables."""
 
+import dataclasses
 import json
 import shutil
 
@@ -7,6 +8,9 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune import db
+from moetune.runtime.platform import detect_sku
+from moetune.runtime.rules import rule_choice
+from moetune.tuner.presets import preset
 from moetune.tuner.cli import app
 
 runner = CliRunner()
@@ -50,7 +54,9 @@ def test_lookup_tuned_and_untuned_shapes(tiny_table):
     other = invoke("lookup", "--table", tiny_table, "--preset", "tiny", "--hidden", 256,
                    "--num-tokens", 7, "--device", "cpu")
     assert "source:  rule" in other.output and "shape not in table" in other.output
-    assert "torch_loop" in other.output
+    problem = dataclasses.replace(preset("tiny").shape.problem(7), hidden_size=256)
+    rule = rule_choice(problem, detect_sku("cpu"))
+    assert rule.kernel in other.output  # vLLM's CPU kernel where vLLM is installed
 
 
 def test_doctor_reports_device_and_eligibility():

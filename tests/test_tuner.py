@@ -9,6 +9,7 @@ from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.kernels.torch_dense import TorchDenseKernel
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
+from moetune.runtime.rules import rule_choice
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.measure import Measurer, Status
 from moetune.tuner.study import confirm, search
@@ -79,10 +80,11 @@ def test_wrong_and_crashing_kernels_are_recorded_and_never_win(small_problem, cp
     assert by_kernel["fast_but_wrong"].status is Status.WRONG
     assert by_kernel["crashing"].status is Status.FAILED
     assert by_kernel["crashing"].reason == "RuntimeError: out of resources: shared memory"
-    assert by_kernel["torch_loop"].status is Status.OK  # the rule's pick is always measured
+    baseline = rule_choice(small_problem, cpu_sku).kernel  # vllm_cpu_experts where vLLM runs
+    assert by_kernel[baseline].status is Status.OK  # the rule's pick is always measured
     decision = confirm(small_problem, cpu_sku, measurer, results, rounds=2, reps=3)
     assert decision.winner.kernel not in {"fast_but_wrong", "crashing", "partial_write"}
-    assert decision.baseline.kernel == "torch_loop"
+    assert decision.baseline.kernel == baseline
 
 
 def test_poisoned_memory_catches_a_kernel_that_skips_outputs(small_problem):
@@ -112,7 +114,8 @@ def test_job_writes_every_bucket_and_resumes_without_remeasuring(tmp_path, cpu_s
     snapshot = db.read_winners(path)
     assert sorted(r.bucket["num_tokens"] for r in snapshot.rows) == [1, 32]
     for row in snapshot.rows:
-        assert row.baseline_kernel == "torch_loop" and row.baseline_us > 0
+        rule = rule_choice(MoEProblem.from_row(row.bucket), cpu_sku)
+        assert row.baseline_kernel == rule.kernel and row.baseline_us > 0
         assert row.error is not None and row.error <= 1e-4
     second = run_job(problems, path, cpu_sku, opts)
     assert all(o.reused == first[i].measured for i, o in enumerate(second))
@@ -173,13 +176,14 @@ def _ok(kernel, us):
 
 def test_confirmation_gives_near_ties_to_the_baseline_and_real_wins_to_the_winner(
         small_problem, cpu_sku):
-    results = {("torch_loop", "{}"): _ok("torch_loop", 100.0),
+    base = rule_choice(small_problem, cpu_sku).kernel
+    results = {(base, "{}"): _ok(base, 100.0),
                ("torch_grouped", "{}"): _ok("torch_grouped", 90.0)}
     tie = confirm(small_problem, cpu_sku, ScriptedMeasurer(
-        {"torch_loop": (100.0, 15.0), "torch_grouped": (90.0, 1.0)}), results)
-    assert tie.winner.kernel == "torch_loop" and "near-tie" in tie.reason
+        {base: (100.0, 15.0), "torch_grouped": (90.0, 1.0)}), results)
+    assert tie.winner.kernel == base and "near-tie" in tie.reason
     win = confirm(small_problem, cpu_sku, ScriptedMeasurer(
-        {"torch_loop": (100.0, 5.0), "torch_grouped": (50.0, 1.0)}), results)
+        {base: (100.0, 5.0), "torch_grouped": (50.0, 1.0)}), results)
     assert win.winner.kernel == "torch_grouped" and win.speedup == 2.0
 
 

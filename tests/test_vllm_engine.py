@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 
 from moetune.runtime.problem import MoEProblem
+from moetune.runtime.rules import rule_choice
 
 from tests.vllm_tables import model_shape, tiny_model, write_winners
 
@@ -106,12 +107,27 @@ def test_table_winners_run_in_the_worker_process(models, baselines, tmp_path):
     worker = run.worker_stats
     assert worker["pid"] != run.result["pid"]  # the spawned worker, not the driver process
     assert worker["table"]["usable"] and worker["table"]["rows"] == len(HIT_BUCKETS)
-    assert worker["layers"] == 2
+    assert worker["layers"] == 2 and worker["plain_copy_bytes"] > 0
     (counts,) = worker["counters"].values()
     assert counts["hit"] > 0 and counts["miss"] == counts["fallback"] == 0
     hooked = [ln for ln in run.moetune_lines("INFO") if "hooked CPUUnquantizedExperts" in ln]
     assert len(hooked) >= 2  # the driver, the engine core, the worker: every process
     assert not run.moetune_lines("WARNING")
+
+
+def test_winners_that_are_vllms_own_kernel_run_vllms_apply(models, baselines, tmp_path, cpu_sku):
+    """A table tuned here mostly keeps the rule's pick, vLLM's own CPU kernel: those buckets are
+    served by vLLM's apply itself, and no plain copy of the experts is kept."""
+    shape = model_shape(models["mixtral"])
+    rule = rule_choice(shape.problem(1), cpu_sku)
+    assert rule.kernel == "vllm_cpu_experts"  # vLLM is installed: the rule is vLLM's kernel
+    table = write_winners(tmp_path / "t.db", shape, HIT_BUCKETS, rule.kernel, rule.params)
+    run = run_engine(models["mixtral"], tmp_path / "run", MOETUNE_TABLE=str(table))
+    assert_same_generation(run, baselines["mixtral"])
+    worker = run.worker_stats
+    assert worker["layers"] == 2 and worker["plain_copy_bytes"] == 0
+    (counts,) = worker["counters"].values()
+    assert counts["hit"] > 0 and counts["miss"] == counts["fallback"] == 0
 
 
 def test_second_architecture_qwen3_moe(models, baselines, tmp_path):

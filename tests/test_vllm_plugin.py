@@ -20,8 +20,10 @@ from moetune.errors import TableError
 from moetune.runtime import vllm_hook, vllm_plugin
 from moetune.runtime.kernels.base import MoEWeights, WeightLayout
 from moetune.runtime.kernels.torch_grouped import TorchGroupedKernel
+from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem, Shape
 from moetune.runtime.registry import default_registry
+from moetune.runtime.rules import rule_choice
 from moetune.runtime.vllm_state import Mode, PluginState, Settings
 
 from tests.vllm_tables import write_winners
@@ -116,6 +118,59 @@ def test_winner_runs_on_plain_weights_kept_at_load(fake_vllm, table):
     assert state.counts == {"H=64 I=32 E=4 topk=2 float32 none silu":
                             {"hit": 4, "miss": 0, "fallback": 0}}
     assert state.plain_copy_bytes == (E * 2 * I * H + E * H * I) * 4
+
+
+def rule_kernel(m=1):
+    """The CPU rule's pick for SHAPE: vLLM's own kernel where vLLM is installed."""
+    choice = rule_choice(SHAPE.problem(m), detect_sku("cpu"))
+    return choice.kernel, choice.params
+
+
+def test_winner_that_is_the_rule_pick_runs_vllms_own_apply_without_a_copy(fake_vllm, tmp_path):
+    """The rule's pick is what vLLM runs: calling vLLM's apply is that kernel, minus a copy."""
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=write_winners(tmp_path / "t.db", SHAPE, (1, 4, 16),
+                                                     *rule_kernel())))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    for m in (1, 3, 16, 40):
+        call(experts, layer, m)
+    assert experts.vllm_calls == 4
+    assert state.counts == {"H=64 I=32 E=4 topk=2 float32 none silu":
+                            {"hit": 4, "miss": 0, "fallback": 0}}
+    assert state.plain_copy_bytes == 0
+
+
+def test_only_winners_that_beat_the_rule_pick_run_through_moetune(fake_vllm, tmp_path):
+    cls, spec = fake_vllm
+    table = write_winners(tmp_path / "t.db", SHAPE, (1, 4), *rule_kernel())
+    write_winners(table, SHAPE, (16,), "torch_grouped")
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    for m in (1, 3, 16, 40):  # 1 and 3: the rule's pick (vLLM); 16 and 40: torch_grouped
+        call(experts, layer, m)
+    assert experts.vllm_calls == 2
+    assert next(iter(state.counts.values())) == {"hit": 4, "miss": 0, "fallback": 0}
+    assert state.plain_copy_bytes == (E * 2 * I * H + E * H * I) * 4
+
+
+@pytest.mark.parametrize("kernel,params,vllm_calls", [
+    ("torch_grouped", {}, 1),  # bincount reads back to the host: vLLM's kernel is captured
+    ("torch_dense", {"chunk_tokens": 32}, 0),  # graph-safe: the winner is captured
+])
+def test_only_graph_safe_winners_run_during_cuda_graph_capture(fake_vllm, tmp_path, monkeypatch,
+                                                               kernel, params, vllm_calls):
+    assert default_registry.get(kernel).graph_safe is (vllm_calls == 0)
+    cls, spec = fake_vllm
+    monkeypatch.setattr(vllm_hook, "_capture_probe", lambda: lambda: True)  # always capturing
+    state = PluginState(Settings(table=write_winners(tmp_path / "t.db", SHAPE, (4,), kernel,
+                                                     params)))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    call(experts, layer, 4)
+    assert experts.vllm_calls == vllm_calls
+    assert next(iter(state.counts.values()))["fallback" if vllm_calls else "hit"] == 1
 
 
 def test_shape_not_in_table_is_a_miss_and_is_recorded_once(fake_vllm, table, tmp_path):
@@ -222,6 +277,28 @@ def test_traced_apply_goes_through_one_opaque_op(fake_vllm, table):
         torch.testing.assert_close(out, reference(experts.plain, x, w, ids))
     assert experts.vllm_calls == 0
     assert next(iter(state.counts.values()))["hit"] == 2
+
+
+@pytest.mark.parametrize("winner,through_op", [("rule", False), ("torch_grouped", True)])
+def test_traced_layers_use_the_op_only_if_a_moetune_kernel_can_run(fake_vllm, tmp_path,
+                                                                     monkeypatch, winner,
+                                                                     through_op):
+    """A layer whose winners are all the rule's pick traces as vLLM's own apply (no op)."""
+    cls, spec = fake_vllm
+    kernel, params = rule_kernel() if winner == "rule" else (winner, {})
+    state = PluginState(Settings(table=write_winners(tmp_path / "t.db", SHAPE, (1, 4, 16),
+                                                     kernel, params)))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    ops = []
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    monkeypatch.setattr(torch.ops.moetune, "experts_apply",
+                        lambda *args: ops.append(args[-1]), raising=False)
+    out = torch.empty(4, H)
+    experts.apply(out, torch.randn(4, H), layer.w13_weight, layer.w2_weight, torch.rand(4, TOPK),
+                  torch.zeros(4, TOPK, dtype=torch.int32), experts.moe_config.activation, E, None,
+                  None, None, None, None, None, False)
+    assert (len(ops), experts.vllm_calls) == ((1, 0) if through_op else (0, 1))
 
 
 def test_other_vllm_internals_are_refused_before_patching(fake_vllm, table):

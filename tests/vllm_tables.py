@@ -13,11 +13,13 @@ from typing import Any
 from moetune import db
 from moetune.runtime.platform import SKU, detect_sku, environment
 from moetune.runtime.problem import Shape
+from moetune.runtime.rules import rule_choice
 
 
 def write_winners(path: Path, shape: Shape, buckets: Iterable[int], kernel: str,
                   params: dict[str, Any] | None = None, sku: SKU | None = None) -> Path:
-    """A table whose winner for each of ``buckets`` of ``shape`` is ``kernel`` (``params``)."""
+    """A table whose winner for each of ``buckets`` of ``shape`` is ``kernel`` (``params``),
+    with the baseline a tuning run here would time: the rule's pick on ``sku``."""
     sku = sku or detect_sku("cpu")
     with db.write_table(path) as table, table.session() as s:
         sku_row = db.get_or_create_sku(s, vendor=sku.vendor.value, name=sku.name, arch=sku.arch,
@@ -26,10 +28,14 @@ def write_winners(path: Path, shape: Shape, buckets: Iterable[int], kernel: str,
         run = db.start_run(s, sku_row, environment=environment(), command="tests/vllm_tables",
                            commit=None, driver=None)
         for m in buckets:
-            bucket = db.get_or_create_bucket(s, **shape.problem(m).to_row())
-            db.set_winner(s, sku_row, bucket, run, kernel, params or {}, median_us=10.0,
-                          p20_us=9.0, p80_us=11.0, error=0.0, baseline_kernel="torch_loop",
-                          baseline_params={}, baseline_us=20.0)
+            problem = shape.problem(m)
+            rule = rule_choice(problem, sku)  # the baseline a tuning run on this CPU times
+            bucket = db.get_or_create_bucket(s, **problem.to_row())
+            us = 20.0 if (kernel, params or {}) == (rule.kernel, rule.params) else 10.0
+            db.set_winner(s, sku_row, bucket, run, kernel, params or {}, median_us=us,
+                          p20_us=us * 0.9, p80_us=us * 1.1, error=0.0,
+                          baseline_kernel=rule.kernel, baseline_params=rule.params,
+                          baseline_us=20.0)
         db.finish_run(s, run, "finished")
     return path
 

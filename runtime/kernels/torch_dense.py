@@ -18,6 +18,7 @@ class TorchDenseKernel(BaseKernel):
 
     name = "torch_dense"
     params = (Param("chunk_tokens", (8, 32, 128, 512)),)
+    graph_safe = True  # scatter, bmm and elementwise ops only: nothing reads back to the host
 
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:

@@ -16,6 +16,7 @@ class TorchGroupedKernel(BaseKernel):
     """Two launches for all experts; the fastest torch path once experts see many tokens."""
 
     name = "torch_grouped"
+    graph_safe = False  # torch.bincount on CUDA reads the largest id back to size its output
 
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:

@@ -1,0 +1,156 @@
+"""vLLM's own CPU fused-MoE kernel (``torch.ops._C.cpu_fused_moe``), run as vLLM runs it.
+
+This is what vLLM serves unquantized MoE with on the CPU, so it is the CPU rule's pick: every CPU
+winner is timed against it. ``prepare`` does what vLLM's ``CPUUnquantizedExperts`` does at load
+(``process_weights_after_loading``): zero-pad the intermediate size to the kernel's alignment and
+prepack both weights for the ISA vLLM picks on this machine (its experts classes, tried in vLLM's
+order: x86 AMX, Arm NEON, Power VSX, then the portable ``vec`` path). vLLM is optional: it is
+imported here, lazily, and only when a CPU problem asks.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import math
+from types import SimpleNamespace
+from typing import Any
+
+import torch
+
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import DType, MoEProblem
+
+_OPS = ("cpu_fused_moe", "prepack_moe_weight")
+
+
+class VllmCpuExpertsKernel(BaseKernel):
+    """vLLM's C++ CPU grouped-GEMM MoE on weights prepacked as vLLM prepacks them."""
+
+    name = "vllm_cpu_experts"
+
+    @classmethod
+    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if sku.vendor is not Vendor.CPU:
+            return "vLLM's CPU MoE kernel runs on the CPU only"
+        return _vllm()[1]
+
+    @classmethod
+    def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        return _experts_for(problem)[1]
+
+    @classmethod
+    def isa(cls, problem: MoEProblem) -> str | None:
+        """The ISA vLLM's kernel runs ``problem`` with here (``vec``, ``amx``, ...), or None."""
+        experts = _experts_for(problem)[0]
+        return None if experts is None else experts.isa
+
+    @classmethod
+    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+        experts, why = _experts_for(problem)
+        if experts is None:
+            raise RuntimeError(f"{cls.name} cannot run {problem.describe()}: {why}")
+        ops = _vllm()[0].ops
+        isa = experts.isa
+        inter = problem.intermediate_size
+        padded = _round_up(inter, math.lcm(experts.output_alignment,
+                                           experts.reduction_alignment))
+        w13, w2 = weights.w13, weights.w2
+        if padded != inter:  # as CPUUnquantizedExperts._pad_moe_intermediate
+            num_experts, _, hidden = w13.shape
+            w13_p = w13.new_zeros(num_experts, 2 * padded, hidden)
+            w13_p[:, :inter] = w13[:, :inter]
+            w13_p[:, padded:padded + inter] = w13[:, inter:]
+            w2_p = w2.new_zeros(num_experts, hidden, padded)
+            w2_p[:, :, :inter] = w2
+            w13, w2 = w13_p, w2_p
+        w13 = ops.cpu_prepack_moe_weight(w13.contiguous(), isa)
+        w2 = ops.cpu_prepack_moe_weight(w2.contiguous(), isa)
+        fused_moe = torch.ops._C.cpu_fused_moe
+        act = problem.activation.value
+        on_input = problem.router_weight_on_input
+
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+            if on_input:  # what vLLM's prepare step does (top-1 only) before the experts run
+                x = x * topk_weights.to(x.dtype)
+            if topk_ids.dtype != torch.int32:
+                topk_ids = topk_ids.to(torch.int32)
+            out = torch.empty_like(x)
+            fused_moe(out, x, w13, w2, None, None, topk_weights, topk_ids, on_input, act, isa)
+            return out
+
+        return run
+
+
+def _experts_for(problem: MoEProblem) -> tuple[Any, str | None]:
+    return _experts_class(problem.dtype, problem.activation.value, problem.gated,
+                          problem.hidden_size, problem.router_weight_on_input, problem.topk)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return (n + multiple - 1) // multiple * multiple
+
+
+@functools.cache
+def _vllm() -> tuple[SimpleNamespace | None, str | None]:
+    """vLLM's CPU MoE pieces (ops, experts classes, activation enum), or why they are absent."""
+    if importlib.util.find_spec("vllm") is None:
+        return None, "vLLM is not installed"
+    try:
+        from vllm import _custom_ops as ops
+        from vllm.model_executor.kernels.linear.zentorch_utils import has_zentorch_op
+        from vllm.model_executor.layers.fused_moe.activation import MoEActivation
+        from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+        from vllm.platforms import current_platform
+    except Exception as e:  # noqa: BLE001 - any vLLM that differs makes the kernel ineligible
+        return None, f"vLLM's CPU MoE could not be imported ({type(e).__name__}: {e})"
+    if not current_platform.is_cpu():
+        return None, f"vLLM here is not its CPU build (platform {type(current_platform).__name__})"
+    missing = [op for op in _OPS if not hasattr(torch.ops._C, op)]
+    if missing:
+        return None, f"vLLM's CPU ops {', '.join(missing)} are not registered"
+    try:
+        # vLLM's order of preference (fused_moe/oracle/unquantized.py), the portable path last.
+        classes = (cpu_moe.X86CPUUnquantizedExperts, cpu_moe.ArmCPUUnquantizedExperts,
+                   cpu_moe.PowerCPUUnquantizedExperts, cpu_moe.CPUUnquantizedExperts)
+    except AttributeError as e:
+        return None, f"vLLM's CPU experts classes differ from what moetune knows ({e})"
+    return SimpleNamespace(ops=ops, classes=classes, portable=classes[-1],
+                           activation=MoEActivation, has_zentorch_op=has_zentorch_op), None
+
+
+@functools.cache
+def _experts_class(dtype: DType, activation: str, gated: bool, hidden: int, on_input: bool,
+                   topk: int) -> tuple[Any, str | None]:
+    """The vLLM experts class that would run this layer here, or None and why none would."""
+    vllm, why = _vllm()
+    if vllm is None:
+        return None, why
+    if not gated:
+        return None, "vLLM's CPU experts run gated (act-and-mul) layers only"
+    if on_input and topk != 1:
+        return None, "vLLM applies the router weight on the input for top-1 routing only"
+    try:
+        act = vllm.activation(activation)
+        if vllm.has_zentorch_op(["zentorch_fused_moe"]):
+            return None, "vLLM runs zentorch's fused MoE on this CPU, not cpu_fused_moe"
+        reasons = []
+        for cls in vllm.classes:
+            if not cls._supports_current_device():
+                continue
+            # The arch-specific classes' is_supported_config takes bfloat16 activations only.
+            if cls is not vllm.portable and dtype is not DType.BFLOAT16:
+                reasons.append(f"{cls.__name__} needs bfloat16")
+                continue
+            if not cls._supports_activation(act):
+                reasons.append(f"{cls.__name__} does not run {activation}")
+                continue
+            if hidden % cls.output_alignment or hidden % cls.reduction_alignment:
+                reasons.append(f"{cls.__name__} needs hidden divisible by "
+                               f"{math.lcm(cls.output_alignment, cls.reduction_alignment)}")
+                continue
+            return cls, None
+    except Exception as e:  # noqa: BLE001 - vLLM internals that differ: not eligible, say why
+        return None, f"vLLM's CPU experts differ from what moetune knows ({type(e).__name__}: {e})"
+    return None, "no vLLM CPU experts class runs this layer: " + "; ".join(reasons)
