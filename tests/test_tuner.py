@@ -15,28 +15,28 @@ from moetune.tuner.measure import Measurer, Status
 from moetune.tuner.study import confirm, search
 
 
-class FastButWrongKernel(BaseKernel):
-    """Returns zeros instantly: the fastest kernel there is, and wrong."""
-
-    name = "fast_but_wrong"
+class AnyDeviceKernel(BaseKernel):
+    """Test kernels run wherever the tests do."""
 
     @classmethod
     def _supports_device(cls, problem, sku):
         return None
+
+
+class FastButWrongKernel(AnyDeviceKernel):
+    """Returns zeros instantly: the fastest kernel there is, and wrong."""
+
+    name = "fast_but_wrong"
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
         return lambda x, w, ids: torch.zeros_like(x)
 
 
-class PartialWriteKernel(BaseKernel):
+class PartialWriteKernel(AnyDeviceKernel):
     """Leaves the last row unwritten (uninitialised memory), as a buggy tiled kernel would."""
 
     name = "partial_write"
-
-    @classmethod
-    def _supports_device(cls, problem, sku):
-        return None
 
     @classmethod
     def prepare(cls, problem, params, weights):
@@ -50,12 +50,8 @@ class PartialWriteKernel(BaseKernel):
         return run
 
 
-class CrashingKernel(BaseKernel):
+class CrashingKernel(AnyDeviceKernel):
     name = "crashing"
-
-    @classmethod
-    def _supports_device(cls, problem, sku):
-        return None
 
     @classmethod
     def prepare(cls, problem, params, weights):
@@ -123,14 +119,10 @@ def test_job_writes_every_bucket_and_resumes_without_remeasuring(tmp_path, cpu_s
     assert len(db.read_winners(path).rows) == 2
 
 
-class ProcessKillingKernel(BaseKernel):
+class ProcessKillingKernel(AnyDeviceKernel):
     """Takes its whole process down, as a kernel that corrupts the CUDA context would."""
 
     name = "process_killing"
-
-    @classmethod
-    def _supports_device(cls, problem, sku):
-        return None
 
     @classmethod
     def prepare(cls, problem, params, weights):
