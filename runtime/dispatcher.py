@@ -23,6 +23,13 @@ from moetune.runtime.rules import rule_choice
 
 logger = logging.getLogger("moetune")
 
+TABLES_DIR = Path(__file__).resolve().parent / "tables"
+
+
+def shipped_table(sku: SKU) -> Path:
+    """Where the table shipped for ``sku`` lives: ``runtime/tables/<vendor>_<name>.db``."""
+    return TABLES_DIR / f"{sku.vendor.value}_{sku.name}.db"
+
 
 @dataclasses.dataclass(frozen=True)
 class Selection:

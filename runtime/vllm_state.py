@@ -22,7 +22,6 @@ from moetune.runtime.problem import MoEProblem, Shape, parse_enum
 
 logger = logging.getLogger("moetune")
 
-TABLES_DIR = Path(__file__).resolve().parent / "tables"
 
 
 class Mode(str, enum.Enum):
@@ -67,11 +66,6 @@ class Settings:
         return cls(mode=mode, table=Path(table).expanduser() if table else None,
                    misses=Path(env.get("MOETUNE_MISSES") or "moetune-misses.jsonl"),
                    stats=env.get("MOETUNE_STATS") or None)
-
-
-def shipped_table(sku: Any) -> Path:
-    """Where the table shipped for ``sku`` lives: ``runtime/tables/<vendor>_<name>.db``."""
-    return TABLES_DIR / f"{sku.vendor.value}_{sku.name}.db"
 
 
 def shape_label(shape: Shape) -> str:
@@ -134,7 +128,7 @@ class PluginState:
         return self._dispatcher
 
     def _load(self) -> Any:
-        from moetune.runtime.dispatcher import Dispatcher
+        from moetune.runtime.dispatcher import Dispatcher, shipped_table
         from moetune.runtime.platform import detect_sku
 
         sku = detect_sku("auto")

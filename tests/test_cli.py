@@ -108,3 +108,15 @@ def test_failed_tune_leaves_existing_table_untouched(tiny_table, tmp_path):
     assert len(db.read_winners(path).rows) == 3
     assert sorted(r.bucket["num_tokens"] for r in db.read_winners(path).rows) == [1, 16, 64]
     assert path.read_bytes() != b"" and before
+
+
+def test_lookup_defaults_to_the_shipped_table_for_this_device(tiny_table, cpu_sku, tmp_path,
+                                                              monkeypatch):
+    import moetune.runtime.dispatcher as dispatcher
+
+    monkeypatch.setattr(dispatcher, "TABLES_DIR", tmp_path)
+    args = ("lookup", "--preset", "tiny", "--num-tokens", 4, "--device", "cpu")
+    assert "(no table configured)" in invoke(*args).output
+    shutil.copy(tiny_table, dispatcher.shipped_table(cpu_sku))
+    shipped = invoke(*args)
+    assert "source:  table" in shipped.output and str(tmp_path) in shipped.output

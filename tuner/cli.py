@@ -16,7 +16,7 @@ from rich.progress import Progress
 
 from moetune import db
 from moetune.errors import MoetuneError
-from moetune.runtime.dispatcher import Dispatcher
+from moetune.runtime.dispatcher import Dispatcher, shipped_table
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.registry import default_registry
 from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
@@ -145,7 +145,8 @@ def show(table: Path, as_json: Annotated[bool, typer.Option("--json", help="One 
 @_errors_to_exit
 def lookup(
     num_tokens: Annotated[int, typer.Option(min=1, help="Tokens in the MoE call")],
-    table: Annotated[Optional[Path], typer.Option(help="Table to consult")] = None,
+    table: Annotated[Optional[Path], typer.Option(
+        help="Table to consult (default: the one shipped for this device, if any)")] = None,
     preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
     hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
     topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
@@ -155,7 +156,10 @@ def lookup(
     shape, _ = resolve(ShapeOptions(preset, config, tp, ep, hidden, intermediate, experts, topk,
                                     dtype, quant, activation, router_weight_on_input))
     problem = shape.problem(num_tokens)
-    dispatcher = Dispatcher.load(table, detect_sku(device.value))
+    sku = detect_sku(device.value)
+    if table is None and shipped_table(sku).is_file():
+        table = shipped_table(sku)
+    dispatcher = Dispatcher.load(table, sku)
     selection = dispatcher.select(problem)
     out.print(report.lookup_text(problem, dispatcher, selection), highlight=False)
 
