@@ -22,6 +22,11 @@ KERNEL_PATHS: dict[str, str] = {
     "aiter_triton_split": "moetune.runtime.kernels.aiter_triton_split:AiterTritonSplitKernel",
     "aiter_triton_silu_fused": "moetune.runtime.kernels.aiter_triton_silu_fused:AiterTritonSiluFusedKernel",
     "aiter_triton_gelu_fused": "moetune.runtime.kernels.aiter_triton_gelu_fused:AiterTritonGeluFusedKernel",
+    "aiter_triton_persistent": "moetune.runtime.kernels.aiter_triton_persistent:AiterTritonPersistentKernel",
+    "aiter_triton_silu_fused_persistent":
+        "moetune.runtime.kernels.aiter_triton_silu_fused_persistent:AiterTritonSiluFusedPersistentKernel",
+    "aiter_triton_gelu_fused_persistent":
+        "moetune.runtime.kernels.aiter_triton_gelu_fused_persistent:AiterTritonGeluFusedPersistentKernel",
     "aiter_triton_e2e": "moetune.runtime.kernels.aiter_triton_e2e:AiterTritonE2EKernel",
     "aiter_fused_moe": "moetune.runtime.kernels.aiter_fused_moe:AiterFusedMoeKernel",
     "aiter_asm_tkw1": "moetune.runtime.kernels.aiter_asm_tkw1:AiterAsmTkw1Kernel",

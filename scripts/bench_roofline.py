@@ -9,6 +9,7 @@ the layer's GEMM dtype), the CUDA rule's time (aiter_triton with vLLM's default 
 family's best time over a small sample of configs, and the fraction of the roofline
 (max of the two floors) reached. Times: median over CUDA-graph replays timed by events
 (tuner.timing), inputs rotated so that consecutive calls route to different experts.
+The persistent families relaunch the best aiter_triton tiles as aiter's persistent kernels.
 Every timed config is first checked against the float32 reference.
 """
 
@@ -154,6 +155,11 @@ def candidates(problem: MoEProblem, sku: SKU,
         for g1 in sample:
             yield "aiter_triton_silu_fused", "aiter_triton_silu_fused", {
                 **with_prefix(g1, "g1_"), **with_prefix(ranked[0], "g2_")}
+        for c in ranked:  # persistent launches of the best tiles
+            yield "aiter_triton_persistent", "aiter_triton_persistent", {
+                **with_prefix(c, "g1_"), **with_prefix(c, "g2_")}
+            yield "aiter_triton_silu_fused_persistent", "aiter_triton_silu_fused_persistent", {
+                **with_prefix(c, "g1_"), **with_prefix(ranked[0], "g2_")}
     for c in e2e_configs():
         yield "aiter_triton_e2e", "aiter_triton_e2e", c
     for name in ("torch_grouped", "torch_scaled_grouped"):
@@ -234,6 +240,7 @@ def main() -> None:
           f"{ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 matmul "
           f"{ceilings['fp8_flops'] / 1e12:.0f} TFLOP/s (8192^3).\n")
     families = ["rule", "aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused",
+                "aiter_triton_persistent", "aiter_triton_silu_fused_persistent",
                 "aiter_triton_e2e", "torch_grouped", "torch_scaled_grouped"]
     families = [f for f in families if f not in skip]
     print("| tokens | HBM floor us | compute floor us | " + " | ".join(f"{f} us" for f in families)

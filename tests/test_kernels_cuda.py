@@ -35,7 +35,9 @@ TOLERANCE = {"float32": 5e-3, "float16": 1e-2, "bfloat16": 2e-2}
 FP8_TOLERANCE = 6e-2
 
 KERNELS = ["aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused",
-           "aiter_triton_gelu_fused", "aiter_triton_e2e", "torch_scaled_grouped"]
+           "aiter_triton_gelu_fused", "aiter_triton_e2e", "torch_scaled_grouped",
+           "aiter_triton_persistent", "aiter_triton_silu_fused_persistent",
+           "aiter_triton_gelu_fused_persistent"]
 SHAPES = [
     MoEProblem(1, 256, 128, 8, 2, dtype="float16"),  # decode
     MoEProblem(3000, 384, 256, 128, 8),  # prefill, many experts

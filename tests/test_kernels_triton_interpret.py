@@ -55,9 +55,28 @@ def test_interpreted_checks_pass_in_a_fresh_process():
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_aiter_kernels_need_a_gpu_without_the_interpreter(cpu_sku):
     problem = MoEProblem(4, 64, 32, 8, 2, dtype="float32")
-    for name in ("aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused", "aiter_triton_e2e"):
+    for name in ("aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused", "aiter_triton_e2e",
+                 "aiter_triton_persistent", "aiter_triton_silu_fused_persistent"):
         ok, why = default_registry.get(name).supports(problem, cpu_sku)
         assert not ok and "GPU" in why, why
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+@pytest.mark.parametrize("module,fn", [("moe_op", "fused_moe"), ("silu_fused", "fused_moe_silu"),
+                                       ("gelu", "fused_moe_gelu")])
+def test_persistent_flag_is_the_one_aiters_wrapper_reads_and_is_restored(module, fn):
+    from moetune.runtime import aiter_loader
+    from moetune.runtime.kernels.aiter_triton import _persistent_flag
+
+    loaded = aiter_loader.load(module).module
+    wrapper = getattr(loaded, fn)
+    assert "_USE_MOE_PERSISTENT_KERNEL" in wrapper.__code__.co_names  # read at launch time
+    inside = []
+    with _persistent_flag(wrapper, True):
+        inside.append(loaded._USE_MOE_PERSISTENT_KERNEL)
+    assert inside == [True] and loaded._USE_MOE_PERSISTENT_KERNEL is False
+    with pytest.raises(TypeError, match="no persistent kernel"):
+        _persistent_flag(relative_error, True)
 
 
 @interpreted

@@ -5,10 +5,10 @@ from typing import Any
 import torch
 
 from moetune import db
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
 from moetune.runtime.kernels.torch_dense import TorchDenseKernel
 from moetune.runtime.problem import MoEProblem
-from moetune.runtime.registry import Registry
+from moetune.runtime.registry import KERNEL_PATHS, Registry
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.measure import Measurer, Status
@@ -184,4 +184,68 @@ def test_isolated_job_reuses_one_worker_across_buckets(tmp_path, cpu_sku):
     outcomes = run_job(problems, tmp_path / "t.db", cpu_sku,
                        JobOptions(device="cpu", trials=3, reps=2, isolate=True))
     assert [o.error for o in outcomes] == [None, None]
+    assert sorted(r.bucket["num_tokens"] for r in db.read_winners(tmp_path / "t.db").rows) == [1, 8]
+
+
+class JitLikeKernel(AnyDeviceKernel):
+    """A kernel the tuner compiles ahead: two configs run, one raises, one kills its process."""
+
+    name = "jit_like"
+    compiles = True
+    params = (Param("variant", ("fine", "also_fine", "raises", "kills")),)
+
+    @classmethod
+    def prepare(cls, problem, params, weights):
+        if params["variant"] == "raises":
+            raise RuntimeError("out of resources: shared memory, required: 300000")
+        ref = TorchDenseKernel.prepare(problem, {"chunk_tokens": 512}, weights)
+
+        def run(x, w, ids):
+            if params["variant"] == "kills":
+                import os
+                os._exit(3)
+            return ref(x, w, ids)
+        return run
+
+
+def test_search_compiles_ahead_in_parallel_and_records_compile_failures(small_problem, cpu_sku):
+    from moetune.tuner.precompile import CompilePool
+
+    reg = registry_with(JitLikeKernel)
+    rule = reg.get(rule_choice(small_problem, cpu_sku).kernel)
+    pool = CompilePool(small_problem, "cpu", reg, workers=2, timeout_s=120)
+    measurer = Measurer(small_problem, "cpu", reg, reps=2)  # in this process: "kills" would end it
+    try:
+        results = search(small_problem, cpu_sku, measurer, [rule, JitLikeKernel], trials=5,
+                         compiler=pool)
+    finally:
+        pool.close()
+    by_variant = {r.params["variant"]: r for r in results.values() if r.kernel == "jit_like"}
+    assert set(by_variant) == {"fine", "also_fine", "raises", "kills"}
+    assert by_variant["fine"].status is by_variant["also_fine"].status is Status.OK
+    assert by_variant["raises"].status is Status.FAILED
+    assert by_variant["raises"].reason.startswith("compiling ahead: RuntimeError: out of resources")
+    assert by_variant["kills"].status is Status.FAILED and "exit code 3" in by_variant["kills"].reason
+    assert sum(c.restarts for c in pool._children) == 1
+
+
+def _only(rule_kernel: str, *kernels) -> Registry:
+    """A registry of the reference, the rule's kernel and ``kernels``: a search space of a few."""
+    reg = Registry({n: KERNEL_PATHS[n] for n in ("reference", rule_kernel)})
+    for k in kernels:
+        reg.add(k)
+    return reg
+
+
+def test_job_with_a_compile_pool_keeps_crashing_candidates_out_of_the_measurer(tmp_path, cpu_sku):
+    problems = [MoEProblem(m, 64, 96, 8, 2, dtype="float32") for m in (1, 8)]
+    outcomes = run_job(problems, tmp_path / "t.db", cpu_sku,  # measured in this process
+                       JobOptions(device="cpu", trials=5, reps=2, compile_workers=2),
+                       registry=_only(rule_choice(problems[0], cpu_sku).kernel, JitLikeKernel))
+    assert [o.error for o in outcomes] == [None, None]
+    failed = {(m["bucket"]["num_tokens"], m["params"]["variant"]): m["reason"]
+              for m in db.read_measurements(tmp_path / "t.db")
+              if m["kernel"] == "jit_like" and m["status"] == "failed"}
+    assert set(failed) == {(m, v) for m in (1, 8) for v in ("raises", "kills")}
+    assert all(r.startswith("compiling ahead: ") for r in failed.values())
     assert sorted(r.bucket["num_tokens"] for r in db.read_winners(tmp_path / "t.db").rows) == [1, 8]

@@ -92,6 +92,9 @@ def tune(
     isolate: Annotated[Optional[bool], typer.Option(
         "--isolate/--no-isolate", help="Measure in a restartable worker process "
         "(default: on for CUDA)")] = None,
+    compile_workers: Annotated[Optional[int], typer.Option(
+        min=0, help="Processes compiling Triton candidates ahead of timing, in parallel "
+        "(0: compile while timing; default: half the CPU cores, at most 8, on CUDA)")] = None,
     from_misses: Annotated[Optional[Path], typer.Option(
         help="Tune exactly the buckets a serving process recorded (MOETUNE_MODE=record)")] = None,
     optuna_storage: Annotated[Optional[str], typer.Option(
@@ -108,7 +111,8 @@ def tune(
     sku = detect_sku(device.value)
     dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
     opts = JobOptions(device=dev, trials=trials, seed=seed, routing=routing, reps=reps,
-                      optuna_storage=optuna_storage, isolate=isolate)
+                      optuna_storage=optuna_storage, isolate=isolate,
+                      compile_workers=compile_workers)
     out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {output}")
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("", total=trials)

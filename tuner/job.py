@@ -7,7 +7,7 @@ leaves a valid table with the buckets it finished, and a rerun skips what it alr
 from __future__ import annotations
 
 import dataclasses
-import socket
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +21,7 @@ from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
 from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Measurer, Result, Status
+from moetune.tuner.precompile import CompilePool
 from moetune.tuner.study import Decision, Key, confirm, search
 from moetune.tuner.timing import Timing
 from moetune.tuner.worker import IsolatedMeasurer
@@ -37,10 +38,19 @@ class JobOptions:
     #: Measure in a restartable child process (default on CUDA, where a bad kernel can
     #: poison the context for every later candidate).
     isolate: bool | None = None
+    #: Children compiling JIT candidates ahead of timing; None: half the cores (at most 8) on
+    #: CUDA, none on CPU (nothing there compiles per config).
+    compile_workers: int | None = None
 
     @property
     def isolated(self) -> bool:
         return self.device.startswith("cuda") if self.isolate is None else self.isolate
+
+    @property
+    def compilers(self) -> int:
+        if self.compile_workers is not None:
+            return self.compile_workers
+        return min(8, max(1, (os.cpu_count() or 2) // 2)) if self.device.startswith("cuda") else 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +94,19 @@ def run_job(problems: Iterable[MoEProblem], output: Path, sku: SKU, opts: JobOpt
     problems = list(problems)
     worker = IsolatedMeasurer(problems[0], opts.device, registry, routing=opts.routing,
                               seed=opts.seed, reps=opts.reps) if opts.isolated and problems else None
+    pool = CompilePool(problems[0], opts.device, registry, workers=opts.compilers,
+                       routing=opts.routing, seed=opts.seed) if opts.compilers and problems else None
     try:
         for problem in problems:
-            outcome = _tune_bucket(problem, output, sku, opts, registry, run_id, on_trial, worker)
+            outcome = _tune_bucket(problem, output, sku, opts, registry, run_id, on_trial, worker,
+                                   pool)
             outcomes.append(outcome)
             if on_bucket:
                 on_bucket(outcome)
     finally:
-        if worker is not None:
-            worker.close()
+        for child in (worker, pool):
+            if child is not None:
+                child.close()
     status = db.RunStatus.FAILED if any(o.error for o in outcomes) else db.RunStatus.FINISHED
     with db.write_table(output) as table, table.session() as s:
         db.finish_run(s, s.get(db.TuningRun, run_id), status)
@@ -101,16 +115,19 @@ def run_job(problems: Iterable[MoEProblem], output: Path, sku: SKU, opts: JobOpt
 
 def _tune_bucket(problem: MoEProblem, output: Path, sku: SKU, opts: JobOptions,
                  registry: Registry, run_id: int, on_trial: Callable[[], None] | None,
-                 worker: IsolatedMeasurer | None) -> BucketOutcome:
+                 worker: IsolatedMeasurer | None, pool: CompilePool | None) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     known = _known_results(output, sku, problem)
     try:
         if worker:
             worker.switch(problem)
+        if pool:
+            pool.switch(problem)
         measurer = worker or Measurer(problem, opts.device, registry, routing=opts.routing,
                                       seed=opts.seed, reps=opts.reps)
         results = search(problem, sku, measurer, candidates, trials=opts.trials, seed=opts.seed,
-                         known=known, storage=opts.optuna_storage, progress=on_trial)
+                         known=known, storage=opts.optuna_storage, compiler=pool,
+                         progress=on_trial)
         decision = confirm(problem, sku, measurer, results)
     except (TuningError, RuntimeError) as e:
         return BucketOutcome(problem, None, 0, len(known), str(e))

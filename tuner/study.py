@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Callable
+from typing import Any, Callable
 
 import optuna
 
@@ -15,6 +15,7 @@ from moetune.runtime.platform import SKU
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.measure import CandidateMeasurer, Result, Status
+from moetune.tuner.precompile import CompilePool
 from moetune.tuner.timing import Timing
 
 Key = tuple[str, str]
@@ -42,12 +43,17 @@ class Decision:
 def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidates: list[type[BaseKernel]],
            *, trials: int, seed: int = 0, known: dict[Key, Result] | None = None,
            storage: optuna.storages.BaseStorage | str | None = None,
+           compiler: CompilePool | None = None,
            progress: Callable[[], None] | None = None) -> dict[Key, Result]:
     """Measure up to ``trials`` distinct configurations chosen by an Optuna study.
 
     The rule's pick is enqueued first, then every other kernel's seed configuration (so each
     family is measured at least once at a sensible point before the sampler specializes).
     Configurations pruned before running and repeats do not use up the budget.
+
+    With a ``compiler``, trials are asked in batches of its worker count (TPE with a constant
+    liar, so a batch spreads out); the batch's new JIT candidates are compiled in parallel,
+    then timed one after another. A candidate that fails there is recorded as failed.
 
     Args:
         known: results measured earlier (a resumed job); they are told to Optuna, not re-timed.
@@ -61,7 +67,9 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     if rule.kernel not in names:
         raise TuningError(f"{problem.describe()}: the rule's kernel {rule.kernel} is not eligible")
     by_name = {k.name: k for k in candidates}
-    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(trials // 3, 1)))
+    batch = compiler.workers if compiler else 1
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(trials // 3, 1)),
+                                         constant_liar=batch > 1)
     study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
                                 study_name=f"moetune:{problem.describe()}", load_if_exists=True)
     starts = [(rule.kernel, rule.params)] + [
@@ -72,34 +80,58 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     results: dict[Key, Result] = {}
     known = known or {}
     space = sum(k.space_size() for k in candidates)
-    measured = 0
-    for _ in range(trials * _MAX_ASKS_PER_TRIAL):
-        if measured >= trials or len(results) >= space:
-            break  # budget spent, or every configuration seen
-        trial = study.ask()
-        kernel = by_name[trial.suggest_categorical("kernel", names)]
-        params = kernel.suggest(trial)
-        key = (kernel.name, params_key(params))
-        if key not in results:
-            why = kernel.check_params(problem, params)
-            results[key] = known.get(key) or (
-                Result(kernel.name, params, Status.PRUNED, reason=why) if why
-                else measurer.measure(kernel.name, params))
-            if results[key].status is not Status.PRUNED:
-                measured += 1
-                if progress:
-                    progress()
-        result = results[key]
-        if result.status is Status.OK:
-            study.tell(trial, result.median_us)
-        else:
-            state = optuna.trial.TrialState.PRUNED if result.status is Status.PRUNED else \
-                optuna.trial.TrialState.FAIL
-            study.tell(trial, state=state)
+    measured, asks = 0, 0
+
+    def done(key: Key, result: Result) -> None:
+        nonlocal measured
+        results[key] = result
+        if result.status is not Status.PRUNED:
+            measured += 1
+            if progress:
+                progress()
+
+    while measured < trials and len(results) < space and asks < trials * _MAX_ASKS_PER_TRIAL:
+        waiting: list[tuple[optuna.Trial, Key]] = []  # told once their batch is measured
+        new: dict[Key, tuple[str, dict[str, Any]]] = {}
+        while (len(new) < min(batch, trials - measured) and len(results) + len(new) < space
+               and asks < trials * _MAX_ASKS_PER_TRIAL):
+            trial = study.ask()
+            asks += 1
+            kernel = by_name[trial.suggest_categorical("kernel", names)]
+            params = kernel.suggest(trial)
+            key = (kernel.name, params_key(params))
+            if key not in results and key not in new:
+                why = kernel.check_params(problem, params)
+                if key in known or why:
+                    done(key, known.get(key) or Result(kernel.name, params, Status.PRUNED,
+                                                       reason=why))
+                else:
+                    new[key] = (kernel.name, params)
+            if key in results:
+                _tell(study, trial, results[key])
+            else:
+                waiting.append((trial, key))
+        ahead = {key: c for key, c in new.items() if by_name[c[0]].compiles}
+        failed = dict(zip(ahead, compiler.compile(list(ahead.values())))) if compiler else {}
+        for key, (name, params) in new.items():
+            why = failed.get(key)
+            done(key, Result(name, params, Status.FAILED, reason=f"compiling ahead: {why}")
+                 if why else measurer.measure(name, params))
+        for trial, key in waiting:
+            _tell(study, trial, results[key])
     rule_key = (rule.kernel, params_key(rule.params))
     if rule_key not in results:  # the budget or a resumed study skipped it: always measure it
         results[rule_key] = known.get(rule_key) or measurer.measure(rule.kernel, rule.params)
     return results
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, result: Result) -> None:
+    if result.status is Status.OK:
+        study.tell(trial, result.median_us)
+    else:
+        state = optuna.trial.TrialState.PRUNED if result.status is Status.PRUNED else \
+            optuna.trial.TrialState.FAIL
+        study.tell(trial, state=state)
 
 
 def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results: dict[Key, Result], *,

@@ -7,6 +7,7 @@ second GEMM with its top-k reduce. Subclasses change the parameters and the firs
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -34,9 +35,12 @@ class AiterTritonKernel(BaseKernel):
     name = "aiter_triton"
     params = config_params()
     graph_safe = True  # routing by ``_align`` (no host sync), Triton launches sized by shapes
+    compiles = True
     #: The aiter modules a kernel runs (keys of ``aiter_loader.MODULES``).
     modules: ClassVar[tuple[str, ...]] = ("moe_op",)
     quants: ClassVar[frozenset[QuantScheme]] = frozenset(QuantScheme)
+    #: Launch aiter's persistent kernels (a grid of 2 x SM count looping over tiles) instead.
+    persistent: ClassVar[bool] = False
 
     # --- eligibility -------------------------------------------------------------------------
     @classmethod
@@ -47,6 +51,8 @@ class AiterTritonKernel(BaseKernel):
                 return loaded.reason
         interpret = aiter_loader.load(cls.modules[0]).interpret
         if sku.vendor is Vendor.CPU:
+            if cls.persistent:
+                return "aiter's persistent launch sizes its grid by the GPU's SM count"
             if not interpret:
                 return "Triton kernels need a GPU (TRITON_INTERPRET=1 runs them slowly on CPU)"
             if problem.dtype is DType.BFLOAT16:
@@ -98,7 +104,8 @@ class AiterTritonKernel(BaseKernel):
         config1, config2 = cls.configs(params)
         first = cls.first_stage(problem, weights, config1)
         moe_op = aiter_loader.load("moe_op").module
-        gemm2 = bind_gemm(moe_op.fused_moe, problem, weights.w2, weights.w2_scale, config2)
+        gemm2 = bind_gemm(moe_op.fused_moe, problem, weights.w2, weights.w2_scale, config2,
+                          persistent=cls.persistent)
         num_experts, hidden = weights.w2.shape[0], weights.w2.shape[1]
         block_m1, block_m2 = config1["BLOCK_SIZE_M"], config2["BLOCK_SIZE_M"]
         mul_weight = not problem.router_weight_on_input
@@ -118,7 +125,8 @@ class AiterTritonKernel(BaseKernel):
     def first_stage(cls, problem: MoEProblem, weights: MoEWeights, config: dict[str, int]) -> Stage:
         """GEMM1 then the activation as a torch op (any activation, gated or not)."""
         moe_op = aiter_loader.load("moe_op").module
-        gemm1 = bind_gemm(moe_op.fused_moe, problem, weights.w13, weights.w13_scale, config)
+        gemm1 = bind_gemm(moe_op.fused_moe, problem, weights.w13, weights.w13_scale, config,
+                          persistent=cls.persistent)
         n = weights.w13.shape[1]
         on_input = problem.router_weight_on_input
 
@@ -137,9 +145,14 @@ def _sm(sku: SKU) -> int:
 
 
 def bind_gemm(fn: Callable[..., Any], problem: MoEProblem, w: torch.Tensor,
-              w_scale: torch.Tensor | None, config: dict[str, int]) -> Callable[..., None]:
+              w_scale: torch.Tensor | None, config: dict[str, int], *,
+              persistent: bool = False) -> Callable[..., None]:
     """One aiter grouped GEMM (``fused_moe`` or a fused variant) bound to weights, quantization
     and config: ``gemm(a, out, topk_weights, topk_ids, routing, mul_routed_weight, top_k)``.
+
+    ``persistent`` picks aiter's persistent kernel. aiter selects it by a module-level flag
+    (``moe_set_use_persistent_kernel``), read when the wrapper launches: the flag is set for this
+    call only and restored, so other callers of the module see what they set.
 
     Activations are quantized as vLLM does for each scheme: per tensor inside aiter's wrapper,
     per token for per-channel weights (run as 1 x K scale blocks, the only per-row-scale path
@@ -166,17 +179,47 @@ def bind_gemm(fn: Callable[..., Any], problem: MoEProblem, w: torch.Tensor,
     takes_zp = "B_zp" in inspect.signature(fn).parameters
     extra = {"B_zp": None, "use_int4_w4a16": False} if takes_zp else {}
 
+    launch_mode = _persistent_flag(fn, persistent)
+
     def gemm(a: torch.Tensor, out: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
              routing: Routing, mul_routed_weight: bool, top_k: int) -> None:
         a, a_scale = quantize(a)
-        fn(A=a, B=w, C=out, A_scale=a_scale, B_scale=w_scale, topk_weights=topk_weights,
-           topk_ids=topk_ids, sorted_token_ids=routing.sorted_token_ids,
-           expert_ids=routing.expert_ids, num_tokens_post_padded=routing.num_tokens_post_padded,
-           mul_routed_weight=mul_routed_weight, top_k=top_k, compute_type=compute_type,
-           use_fp8_w8a8=quant.is_fp8, use_int8_w8a16=False, block_shape=block_shape,
-           config=config, **extra)
+        with launch_mode:
+            fn(A=a, B=w, C=out, A_scale=a_scale, B_scale=w_scale, topk_weights=topk_weights,
+               topk_ids=topk_ids, sorted_token_ids=routing.sorted_token_ids,
+               expert_ids=routing.expert_ids, num_tokens_post_padded=routing.num_tokens_post_padded,
+               mul_routed_weight=mul_routed_weight, top_k=top_k, compute_type=compute_type,
+               use_fp8_w8a8=quant.is_fp8, use_int8_w8a16=False, block_shape=block_shape,
+               config=config, **extra)
 
     return gemm
+
+
+class _PersistentFlag:
+    """Sets an aiter MoE module's persistent-kernel flag for the duration of one launch."""
+
+    def __init__(self, module_globals: dict[str, Any]) -> None:
+        self._globals = module_globals
+        self._saved = False
+
+    def __enter__(self) -> None:
+        self._saved = self._globals[_FLAG]
+        self._globals[_FLAG] = True
+
+    def __exit__(self, *exc: object) -> None:
+        self._globals[_FLAG] = self._saved
+
+
+_FLAG = "_USE_MOE_PERSISTENT_KERNEL"
+
+
+def _persistent_flag(fn: Callable[..., Any],
+                     persistent: bool) -> contextlib.AbstractContextManager[None]:
+    if not persistent:
+        return contextlib.nullcontext()
+    if _FLAG not in fn.__globals__:
+        raise TypeError(f"{fn.__module__}.{fn.__name__} has no persistent kernel ({_FLAG} missing)")
+    return _PersistentFlag(fn.__globals__)
 
 
 def _no_quant(a: torch.Tensor) -> tuple[torch.Tensor, None]:

@@ -41,7 +41,8 @@ class AiterTritonGeluFusedKernel(AiterTritonSplitKernel):
     @classmethod
     def first_stage(cls, problem: MoEProblem, weights: MoEWeights, config: dict[str, int]) -> Stage:
         gelu = aiter_loader.load("gelu").module
-        gemm1 = bind_gemm(gelu.fused_moe_gelu, problem, weights.w13, weights.w13_scale, config)
+        gemm1 = bind_gemm(gelu.fused_moe_gelu, problem, weights.w13, weights.w13_scale, config,
+                          persistent=cls.persistent)
         inter = weights.w2.shape[2]
 
         def stage(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

@@ -39,7 +39,8 @@ class AiterTritonSiluFusedKernel(AiterTritonSplitKernel):
     @classmethod
     def first_stage(cls, problem: MoEProblem, weights: MoEWeights, config: dict[str, int]) -> Stage:
         silu_fused = aiter_loader.load("silu_fused").module
-        gemm1 = bind_gemm(silu_fused.fused_moe_silu, problem, weights.w13, weights.w13_scale, config)
+        gemm1 = bind_gemm(silu_fused.fused_moe_silu, problem, weights.w13, weights.w13_scale, config,
+                          persistent=cls.persistent)
         inter = weights.w2.shape[2]
         on_input = problem.router_weight_on_input
 

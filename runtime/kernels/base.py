@@ -64,7 +64,7 @@ class BaseKernel(abc.ABC):
     MAY override: ``params`` (default: none), ``layout`` (default PLAIN), ``_supports_quant``
     (default: unquantized only), ``_supports_problem`` (shape limits), ``check_params``
     (constraints across parameters, e.g. shared memory), ``candidate`` (False keeps a kernel out
-    of tuning, like the float32 reference), ``graph_safe``.
+    of tuning, like the float32 reference), ``graph_safe``, ``compiles``.
     """
 
     name: ClassVar[str]
@@ -74,6 +74,9 @@ class BaseKernel(abc.ABC):
     #: True if the prepared callable never syncs with the host (no ``.item()``, ``.tolist()``,
     #: ``bincount``/``nonzero`` on the GPU), so it can run while a CUDA graph is captured.
     graph_safe: ClassVar[bool] = False
+    #: True if the first call with new parameters compiles (Triton JIT): the tuner then runs
+    #: it once ahead of timing, in parallel with other such candidates.
+    compiles: ClassVar[bool] = False
 
     # --- eligibility -------------------------------------------------------------------------
     @classmethod
