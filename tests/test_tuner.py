@@ -94,7 +94,7 @@ def test_search_covers_a_small_space_once_and_stops(small_problem, cpu_sku):
     measurer = Measurer(small_problem, "cpu", reg, reps=2)
     calls = []
     original = measurer.measure
-    measurer.measure = lambda k, p: calls.append((k, tuple(p.items()))) or original(k, p)
+    measurer.measure = lambda k, p, c=None: calls.append((k, tuple(p.items()))) or original(k, p, c)
     cands = reg.candidates(small_problem, cpu_sku)
     results = search(small_problem, cpu_sku, measurer, cands, trials=200)
     space = sum(k.space_size() for k in cands)
@@ -107,6 +107,10 @@ def test_job_writes_every_bucket_and_resumes_without_remeasuring(tmp_path, cpu_s
     opts = JobOptions(device="cpu", trials=6, reps=3)
     first = run_job(problems, path, cpu_sku, opts)
     assert [o.error for o in first] == [None, None] and all(o.measured > 0 for o in first)
+    for o in first:  # where the time went: the phases lie inside the bucket's wall time
+        s = o.seconds
+        assert s["timing"] > 0 and s["first_calls"] > 0 and s["compile_ahead"] == 0
+        assert s["total"] >= s["setup"] + s["first_calls"] + s["timing"] + s["confirm"]
     snapshot = db.read_winners(path)
     assert sorted(r.bucket["num_tokens"] for r in snapshot.rows) == [1, 32]
     for row in snapshot.rows:
@@ -248,4 +252,52 @@ def test_job_with_a_compile_pool_keeps_crashing_candidates_out_of_the_measurer(t
               if m["kernel"] == "jit_like" and m["status"] == "failed"}
     assert set(failed) == {(m, v) for m in (1, 8) for v in ("raises", "kills")}
     assert all(r.startswith("compiling ahead: ") for r in failed.values())
+    assert all(o.seconds["compile_ahead"] > 0 for o in outcomes)
     assert sorted(r.bucket["num_tokens"] for r in db.read_winners(tmp_path / "t.db").rows) == [1, 8]
+
+
+def test_timing_stops_after_the_probe_only_when_slower_than_the_cutoff():
+    import time
+
+    from moetune.tuner.timing import PROBE_REPS, time_op
+
+    def two_ms(x):
+        time.sleep(0.002)
+        return x
+
+    inputs = [(torch.zeros(1),)] * 2
+    slow = time_op(two_ms, inputs, "cpu", warmup=1, reps=12, cutoff_us=1000.0)
+    assert slow.samples == PROBE_REPS and slow.method == "cpu-wall-cut" and slow.median_us > 1000
+    kept = time_op(two_ms, inputs, "cpu", warmup=1, reps=12, cutoff_us=1e6)
+    assert kept.samples == 12 and kept.method == "cpu-wall"
+
+
+class SleepyKernel(AnyDeviceKernel):
+    """Correct, and slower by ``ms`` milliseconds per call: the search cuts the slow ones."""
+
+    name = "sleepy"
+    params = (Param("ms", (0, 20)),)
+
+    @classmethod
+    def prepare(cls, problem, params, weights):
+        import time
+        ref = TorchDenseKernel.prepare(problem, {"chunk_tokens": 512}, weights)
+
+        def run(x, w, ids):
+            time.sleep(params["ms"] / 1000)
+            return ref(x, w, ids)
+        return run
+
+
+def test_search_times_candidates_far_slower_than_the_best_only_roughly(small_problem, cpu_sku):
+    from moetune.tuner.timing import PROBE_REPS
+
+    reg = registry_with(SleepyKernel)
+    rule = reg.get(rule_choice(small_problem, cpu_sku).kernel)
+    results = search(small_problem, cpu_sku, Measurer(small_problem, "cpu", reg, reps=10),
+                     [rule, SleepyKernel], trials=3)
+    slow = next(r for r in results.values() if r.kernel == "sleepy" and r.params["ms"] == 20)
+    fast = next(r for r in results.values() if r.kernel == rule.name)
+    assert slow.status is Status.OK and slow.timing.samples == PROBE_REPS
+    assert slow.reason.startswith("timing cut after 3 reps")
+    assert fast.timing.samples == 10 and fast.reason is None

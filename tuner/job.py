@@ -10,6 +10,7 @@ import dataclasses
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -60,6 +61,9 @@ class BucketOutcome:
     measured: int
     reused: int
     error: str | None = None
+    #: Wall seconds of the bucket by phase: ``setup`` (inputs in the workers), ``compile_ahead``,
+    #: ``first_calls`` (prepare + gate), ``timing``, ``confirm``, and ``total``.
+    seconds: dict[str, float] = dataclasses.field(default_factory=dict)
 
 
 def source_commit() -> str | None:
@@ -118,6 +122,8 @@ def _tune_bucket(problem: MoEProblem, output: Path, sku: SKU, opts: JobOptions,
                  worker: IsolatedMeasurer | None, pool: CompilePool | None) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     known = _known_results(output, sku, problem)
+    start = time.perf_counter()
+    compiled_before = pool.seconds if pool else 0.0
     try:
         if worker:
             worker.switch(problem)
@@ -125,13 +131,21 @@ def _tune_bucket(problem: MoEProblem, output: Path, sku: SKU, opts: JobOptions,
             pool.switch(problem)
         measurer = worker or Measurer(problem, opts.device, registry, routing=opts.routing,
                                       seed=opts.seed, reps=opts.reps)
+        searching = time.perf_counter()
         results = search(problem, sku, measurer, candidates, trials=opts.trials, seed=opts.seed,
                          known=known, storage=opts.optuna_storage, compiler=pool,
                          progress=on_trial)
+        confirming = time.perf_counter()
         decision = confirm(problem, sku, measurer, results)
     except (TuningError, RuntimeError) as e:
         return BucketOutcome(problem, None, 0, len(known), str(e))
     fresh = [r for k, r in results.items() if k not in known]
+    end = time.perf_counter()
+    seconds = {"setup": searching - start,
+               "compile_ahead": (pool.seconds if pool else 0.0) - compiled_before,
+               "first_calls": sum(r.first_call_s for r in fresh),
+               "timing": sum(r.timing_s for r in fresh),
+               "confirm": end - confirming, "total": end - start}
     with db.write_table(output) as table, table.session() as s:
         run = s.get(db.TuningRun, run_id)
         bucket = db.get_or_create_bucket(s, **problem.to_row())
@@ -145,7 +159,7 @@ def _tune_bucket(problem: MoEProblem, output: Path, sku: SKU, opts: JobOptions,
         db.set_winner(s, _sku_row(s, sku), bucket, run, w.kernel, w.params, wt.median_us,
                       wt.p20_us, wt.p80_us, w.error, decision.baseline.kernel,
                       decision.baseline.params, bt.median_us)
-    return BucketOutcome(problem, decision, len(fresh), len(known))
+    return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds)
 
 
 def _known_results(output: Path, sku: SKU, problem: MoEProblem) -> dict[Key, Result]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import math
+import time
 from typing import Any, Protocol
 
 from moetune.runtime.kernels.base import MoEFn, params_key
@@ -35,6 +36,10 @@ class Result:
     timing: Timing | None = None
     error: float | None = None
     reason: str | None = None
+    #: Seconds spent preparing and gating (the first call: a JIT kernel compiles there unless
+    #: compiled ahead), and timing; zero for results not measured here.
+    first_call_s: float = 0.0
+    timing_s: float = 0.0
 
     @property
     def median_us(self) -> float:
@@ -49,7 +54,8 @@ def describe_exception(e: BaseException) -> str:
 class CandidateMeasurer(Protocol):
     """What the search needs: gate-and-time a candidate, and re-time one for confirmation."""
 
-    def measure(self, kernel: str, params: dict[str, Any]) -> Result: ...
+    def measure(self, kernel: str, params: dict[str, Any],
+                cutoff_us: float | None = None) -> Result: ...
 
     def retime(self, kernel: str, params: dict[str, Any], reps: int) -> Timing: ...
 
@@ -75,23 +81,35 @@ class Measurer:
                        for i in range(sets)]
         self._prepared: dict[tuple[str, str], MoEFn] = {}
 
-    def measure(self, kernel: str, params: dict[str, Any]) -> Result:
-        """Gate then time one candidate. Failures are results, never exceptions."""
+    def measure(self, kernel: str, params: dict[str, Any],
+                cutoff_us: float | None = None) -> Result:
+        """Gate then time one candidate. Failures are results, never exceptions.
+
+        ``cutoff_us``: stop timing early if the candidate is slower than this (see ``time_op``).
+        """
+        start = time.perf_counter()
         try:
             fn = self._prepare(kernel, params)
             poison_allocator(self.device, self.reference.numel() * 4 * 4)
             error = relative_error(fn(*self.check.args()), self.reference)
         except Exception as e:  # a candidate that raises is a recorded failure, not a crash
-            return Result(kernel, params, Status.FAILED, reason=describe_exception(e))
+            return Result(kernel, params, Status.FAILED, reason=describe_exception(e),
+                          first_call_s=time.perf_counter() - start)
+        first = time.perf_counter() - start
         if not error <= tolerance(self.problem):
             return Result(kernel, params, Status.WRONG, error=error,
-                          reason=f"relative error {error:.3g} > {tolerance(self.problem):.3g}")
+                          reason=f"relative error {error:.3g} > {tolerance(self.problem):.3g}",
+                          first_call_s=first)
         try:
-            timing = time_op(fn, self.inputs, self.device, reps=self.reps)
+            timing = time_op(fn, self.inputs, self.device, reps=self.reps, cutoff_us=cutoff_us)
         except Exception as e:
             return Result(kernel, params, Status.FAILED, error=error,
-                          reason=describe_exception(e))
-        return Result(kernel, params, Status.OK, timing, error)
+                          reason=describe_exception(e), first_call_s=first,
+                          timing_s=time.perf_counter() - start - first)
+        cut = f"timing cut after {timing.samples} reps: above {cutoff_us:.1f}us" \
+            if timing.method.endswith("-cut") else None
+        return Result(kernel, params, Status.OK, timing, error, cut, first_call_s=first,
+                      timing_s=time.perf_counter() - start - first)
 
     def retime(self, kernel: str, params: dict[str, Any], reps: int) -> Timing:
         """Time an already-measured candidate again (used interleaved by the confirmation round)."""

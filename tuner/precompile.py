@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import queue
+import time
 from multiprocessing.connection import Connection
 from typing import Any
 
@@ -70,6 +71,8 @@ class CompilePool:
         if workers < 1:
             raise ValueError(f"a compile pool needs at least one worker, got {workers}")
         self.workers = workers
+        #: Wall seconds spent in ``compile`` so far (the job reports it per bucket).
+        self.seconds = 0.0
         args = (problem, device, registry.paths(), routing, seed)
         self._children = [Child(_serve, args, timeout_s=timeout_s) for _ in range(workers)]
 
@@ -103,8 +106,11 @@ class CompilePool:
                 free.put(child)
             return None if reply is None else str(reply)
 
+        start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:
-            return list(ex.map(run, candidates))
+            failures = list(ex.map(run, candidates))
+        self.seconds += time.perf_counter() - start
+        return failures
 
     def close(self) -> None:
         for child in self._children:

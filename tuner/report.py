@@ -58,7 +58,15 @@ def outcome_line(o: BucketOutcome) -> str:
     return (f"{head} {d.winner.kernel} {json.dumps(d.winner.params) if d.winner.params else ''} "
             f"{d.winner_timing.median_us:.1f}us vs {d.baseline.kernel} "
             f"{d.baseline_timing.median_us:.1f}us ({d.reason}); {o.measured} measured, "
-            f"{o.reused} reused")
+            f"{o.reused} reused{_phases(o.seconds)}")
+
+
+def _phases(seconds: dict[str, float]) -> str:
+    if not seconds:
+        return ""
+    parts = ", ".join(f"{name.replace('_', ' ')} {s:.0f}" for name, s in seconds.items()
+                      if name != "total" and s >= 0.5)
+    return f"; {seconds['total']:.0f}s ({parts})"
 
 
 def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, s: Selection) -> str:

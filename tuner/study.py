@@ -22,6 +22,8 @@ Key = tuple[str, str]
 
 # Repeats and pruned configurations cost an ask but no budget; this bounds the asks.
 _MAX_ASKS_PER_TRIAL = 20
+# A candidate this many times slower than the best so far is timed only roughly.
+CUTOFF_FACTOR = 1.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,6 +56,8 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     With a ``compiler``, trials are asked in batches of its worker count (TPE with a constant
     liar, so a batch spreads out); the batch's new JIT candidates are compiled in parallel,
     then timed one after another. A candidate that fails there is recorded as failed.
+    A candidate whose first repetitions are ``CUTOFF_FACTOR`` times slower than the best so
+    far is not timed further: the ranking needs no precise time for it.
 
     Args:
         known: results measured earlier (a resumed job); they are told to Optuna, not re-timed.
@@ -115,8 +119,11 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
         failed = dict(zip(ahead, compiler.compile(list(ahead.values())))) if compiler else {}
         for key, (name, params) in new.items():
             why = failed.get(key)
+            best = min((r.median_us for r in results.values() if r.status is Status.OK),
+                       default=None)
             done(key, Result(name, params, Status.FAILED, reason=f"compiling ahead: {why}")
-                 if why else measurer.measure(name, params))
+                 if why else measurer.measure(
+                     name, params, None if best is None else best * CUTOFF_FACTOR))
         for trial, key in waiting:
             _tell(study, trial, results[key])
     rule_key = (rule.kernel, params_key(rule.params))

@@ -36,70 +36,108 @@ def summarize(samples_us: Sequence[float], method: str) -> Timing:
     return Timing(statistics.median(samples_us), q[1], q[7], len(samples_us), method)
 
 
+#: Repetitions timed before a ``cutoff_us`` is checked.
+PROBE_REPS = 3
+
+
 def time_op(fn: Callable[..., torch.Tensor], inputs: Sequence[Args], device: str, *,
-            warmup: int = 3, reps: int = 20, graph_calls: int = 10) -> Timing:
+            warmup: int = 3, reps: int = 20, graph_calls: int = 10,
+            cutoff_us: float | None = None) -> Timing:
     """Median time of one ``fn(*args)`` call, cycling through ``inputs``.
 
     Args:
         inputs: several argument sets; together larger than the last-level cache on GPUs.
         graph_calls: calls per captured CUDA graph replay (CUDA only).
+        cutoff_us: stop after ``PROBE_REPS`` repetitions if their median is above this (a
+            search candidate far slower than the best so far needs no precise time); the
+            method then ends in ``-cut``.
     """
     if device.startswith("cuda"):
         try:
-            return _time_cuda_graph(fn, inputs, warmup, reps, graph_calls)
+            return _time_cuda_graph(fn, inputs, warmup, reps, graph_calls, cutoff_us)
         except RuntimeError:  # capture not possible (host sync inside the op): time eagerly
             torch.cuda.synchronize()
-            return _time_cuda_events(fn, inputs, warmup, reps)
-    return _time_cpu(fn, inputs, warmup, reps)
+            return _time_cuda_events(fn, inputs, warmup, reps, cutoff_us)
+    return _time_cpu(fn, inputs, warmup, reps, cutoff_us)
+
+
+def _repeat(sample: Callable[[int], list[float]], reps: int, cutoff_us: float | None,
+            method: str) -> Timing:
+    """``sample(n)`` times n repetitions; all ``reps`` unless the probe is above the cutoff."""
+    if cutoff_us is None or reps <= PROBE_REPS:
+        return summarize(sample(reps), method)
+    probe = sample(PROBE_REPS)
+    if statistics.median(probe) > cutoff_us:
+        return summarize(probe, method + "-cut")
+    return summarize(probe + sample(reps - PROBE_REPS), method)
 
 
 def _time_cpu(fn: Callable[..., torch.Tensor], inputs: Sequence[Args], warmup: int,
-              reps: int) -> Timing:
+              reps: int, cutoff_us: float | None) -> Timing:
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
-    samples = []
-    for i in range(reps):
-        args = inputs[i % len(inputs)]
-        start = time.perf_counter()
-        fn(*args)
-        samples.append((time.perf_counter() - start) * 1e6)
-    return summarize(samples, "cpu-wall")
+    done = 0
+
+    def sample(n: int) -> list[float]:
+        nonlocal done
+        samples = []
+        for _ in range(n):
+            args = inputs[done % len(inputs)]
+            done += 1
+            start = time.perf_counter()
+            fn(*args)
+            samples.append((time.perf_counter() - start) * 1e6)
+        return samples
+
+    return _repeat(sample, reps, cutoff_us, "cpu-wall")
 
 
 def _time_cuda_events(fn: Callable[..., torch.Tensor], inputs: Sequence[Args], warmup: int,
-                      reps: int) -> Timing:
+                      reps: int, cutoff_us: float | None) -> Timing:
     for i in range(warmup):
         fn(*inputs[i % len(inputs)])
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for i, (start, end) in enumerate(events):
-        args = inputs[i % len(inputs)]
-        start.record()
-        fn(*args)
-        end.record()
-    torch.cuda.synchronize()
-    return summarize([s.elapsed_time(e) * 1e3 for s, e in events], "cuda-events")
+    done = 0
+
+    def sample(n: int) -> list[float]:
+        nonlocal done
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n)]
+        for start, end in events:
+            args = inputs[done % len(inputs)]
+            done += 1
+            start.record()
+            fn(*args)
+            end.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 for s, e in events]
+
+    return _repeat(sample, reps, cutoff_us, "cuda-events")
 
 
 def _time_cuda_graph(fn: Callable[..., torch.Tensor], inputs: Sequence[Args], warmup: int,
-                     reps: int, graph_calls: int) -> Timing:
+                     reps: int, graph_calls: int, cutoff_us: float | None) -> Timing:
+    captured = inputs[:graph_calls]  # the graph replays these; warming the rest is wasted
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # eager warm-up compiles and fills allocator pools
-        for i in range(max(warmup, len(inputs))):
-            fn(*inputs[i % len(inputs)])
+        for i in range(max(warmup, len(captured))):
+            fn(*captured[i % len(captured)])
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         for i in range(graph_calls):
-            fn(*inputs[i % len(inputs)])
+            fn(*captured[i % len(captured)])
     for _ in range(warmup):
         graph.replay()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(reps)]
-    for start, end in events:
-        start.record()
-        graph.replay()
-        end.record()
-    torch.cuda.synchronize()
-    return summarize([s.elapsed_time(e) * 1e3 / graph_calls for s, e in events], "cuda-graph")
+
+    def sample(n: int) -> list[float]:
+        events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                  for _ in range(n)]
+        for start, end in events:
+            start.record()
+            graph.replay()
+            end.record()
+        torch.cuda.synchronize()
+        return [s.elapsed_time(e) * 1e3 / graph_calls for s, e in events]
+
+    return _repeat(sample, reps, cutoff_us, "cuda-graph")

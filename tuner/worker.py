@@ -33,8 +33,8 @@ def _serve(conn: Connection, problem: MoEProblem, device: str, paths: dict[str, 
         if op == "problem":  # ``arg`` is the next problem
             measurer = measurer_for(arg)
             conn.send((None, True))
-        elif op == "measure":
-            result = measurer.measure(arg, params)
+        elif op == "measure":  # ``n`` is the cutoff
+            result = measurer.measure(arg, params, n)
             healthy = result.status is not Status.FAILED or context_healthy(device)
             conn.send((result, healthy))
             if not healthy:
@@ -68,8 +68,9 @@ class IsolatedMeasurer:
             if reply is not None:
                 raise RuntimeError(f"setting up {problem.describe()} failed: {reply}")
 
-    def measure(self, kernel: str, params: dict[str, Any]) -> Result:
-        reply = self._child.call(("measure", kernel, params, 0))
+    def measure(self, kernel: str, params: dict[str, Any],
+                cutoff_us: float | None = None) -> Result:
+        reply = self._child.call(("measure", kernel, params, cutoff_us))
         if isinstance(reply, Died):
             return Result(kernel, params, Status.FAILED, reason=str(reply))
         return reply
