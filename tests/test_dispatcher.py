@@ -3,8 +3,11 @@
 import dataclasses
 import sqlite3
 
+from moetune.db import read_winners
 from moetune.runtime.dispatcher import Dispatcher
 from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.registry import default_registry
 from moetune.tuner.presets import preset
 
 TINY = preset("tiny").shape
@@ -82,8 +85,12 @@ def test_shipped_h200_table_serves_mixtral_on_an_h200():
     shipped = Path(moetune.runtime.__file__).parent / "tables" / "nvidia_H200.db"
     h200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)
     d = Dispatcher.load(shipped, h200, check_environment=False)  # measured under CUDA 13
-    assert d.status.usable and d.status.rows >= 17 and not d.status.rejected_rows
-    mixtral = preset("mixtral-8x7b").shape
-    picks = {d.select(mixtral.problem(m)).kernel for m in (1, 300, 2048)}
-    assert picks <= {"aiter_triton_silu_fused", "aiter_triton", "torch_loop"}
-    assert all(d.select(mixtral.problem(m)).source == "table" for m in (1, 300, 5000))
+    assert d.status.usable and d.status.rows >= 24 and not d.status.rejected_rows
+    aiter_triton = {"aiter_triton", "aiter_triton_silu_fused", "aiter_triton_silu_fused_persistent"}
+    for name in ("mixtral-8x7b", "deepseek-v3"):  # every tuned bucket of both, 4096 included
+        shape = preset(name).shape
+        picks = [d.select(shape.problem(m)) for m in (1, 300, 4096, 5000)]
+        assert all(s.source == "table" and s.kernel in aiter_triton for s in picks), picks
+    # The table's winners are registered kernels that a layer of that bucket may run.
+    assert all(default_registry.get(r.kernel).supports(MoEProblem.from_row(r.bucket), h200)[0]
+               for r in read_winners(shipped).rows)
