@@ -13,7 +13,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from moetune.db import TableSnapshot, read_winners
+from moetune.db import TableSnapshot, WinnerRecord, read_winners
 from moetune.errors import MoetuneError
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.platform import SKU, environment, environment_mismatches
@@ -161,6 +161,10 @@ def _entries(snapshot: TableSnapshot, sku: SKU,
         except (MoetuneError, KeyError, TypeError) as e:
             rejected.append(f"bucket {row.bucket}: {e}")
             continue
+        stale = _stale_baseline(row, problem, sku)
+        if stale:
+            rejected.append(f"bucket {row.bucket}: {stale}")
+            continue
         selection = Selection(row.kernel, params, "table",
                               f"table winner for bucket M={problem.num_tokens}",
                               problem.num_tokens, row.median_us, row.speedup)
@@ -168,6 +172,22 @@ def _entries(snapshot: TableSnapshot, sku: SKU,
     for rows in entries.values():
         rows.sort(key=lambda e: e.num_tokens)
     return entries, tuple(rejected)
+
+
+def _stale_baseline(row: WinnerRecord, problem: MoEProblem, sku: SKU) -> str | None:
+    """Why a tuned row no longer beats what serving runs without it, or None.
+
+    A tuned row (it has a measured error; imported rows do not) won against the rule's pick
+    of its tuning run. If the rule picks something else here (vLLM shipped a tuned file since,
+    or the table was tuned without vLLM's files), that win says nothing about today's rule.
+    """
+    if row.error is None:
+        return None
+    rule = rule_choice(problem, sku)
+    if (row.baseline_kernel, row.baseline_params) == (rule.kernel, rule.params):
+        return None
+    return (f"tuned against {row.baseline_kernel} {row.baseline_params}, but the rule here is "
+            f"{rule.kernel} {rule.params} ({rule.reason}): re-tune this bucket")
 
 
 def load_dispatcher(path: str | Path | None, sku: SKU, **kwargs: Any) -> Dispatcher:

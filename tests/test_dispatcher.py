@@ -1,7 +1,11 @@
 """The dispatcher: table hits, nearest buckets within a shape, and never crashing on a table."""
 
 import dataclasses
+import importlib.util
 import sqlite3
+from pathlib import Path
+
+import pytest
 
 from moetune.db import read_winners
 from moetune.runtime.dispatcher import Dispatcher
@@ -76,14 +80,21 @@ def test_table_from_another_environment_is_ignored(tiny_table, tmp_path, cpu_sku
     assert Dispatcher.load(path, cpu_sku, check_environment=False).status.usable
 
 
-def test_shipped_h200_table_serves_mixtral_on_an_h200():
-    from pathlib import Path
-
+def _shipped_h200() -> tuple[Path, SKU]:
     import moetune.runtime
-    from moetune.tuner.presets import preset
 
-    shipped = Path(moetune.runtime.__file__).parent / "tables" / "nvidia_H200.db"
-    h200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)
+    return (Path(moetune.runtime.__file__).parent / "tables" / "nvidia_H200.db",
+            SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30))
+
+
+def test_shipped_h200_table_serves_mixtral_and_deepseek_where_its_baseline_is_the_rule(
+        monkeypatch):
+    """Tuned on an H200 without vLLM's tuned files, against vLLM's default config: where that
+    is the rule (no vLLM files here), every row serves."""
+    from moetune.runtime import vllm_configs
+
+    monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)
+    shipped, h200 = _shipped_h200()
     d = Dispatcher.load(shipped, h200, check_environment=False)  # measured under CUDA 13
     assert d.status.usable and d.status.rows >= 24 and not d.status.rejected_rows
     aiter_triton = {"aiter_triton", "aiter_triton_silu_fused", "aiter_triton_silu_fused_persistent"}
@@ -94,3 +105,15 @@ def test_shipped_h200_table_serves_mixtral_on_an_h200():
     # The table's winners are registered kernels that a layer of that bucket may run.
     assert all(default_registry.get(r.kernel).supports(MoEProblem.from_row(r.bucket), h200)[0]
                for r in read_winners(shipped).rows)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_tuned_rows_are_not_used_where_the_rule_is_no_longer_their_baseline():
+    """vLLM ships tuned H200 files for both shapes: its rule is then that file's config, and
+    a row timed against the default config proves nothing against it."""
+    shipped, h200 = _shipped_h200()
+    d = Dispatcher.load(shipped, h200, check_environment=False)
+    assert d.status.usable and d.status.rows == 0 and len(d.status.rejected_rows) >= 24
+    assert all("re-tune this bucket" in r for r in d.status.rejected_rows)
+    pick = d.select(preset("mixtral-8x7b").shape.problem(64))
+    assert pick.source == "rule" and "E=8,N=14336,device_name=NVIDIA_H200.json" in pick.reason

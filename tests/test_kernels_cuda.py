@@ -185,11 +185,15 @@ def test_shared_memory_constraint_drops_what_cannot_compile():
 
 
 def test_cuda_rule_picks_the_triton_kernel_or_says_why_not():
-    """On a (described) H200 the rule is aiter_triton with vLLM's default config; where aiter's
-    Triton modules cannot load here, it is the torch loop with the loader's reason."""
+    """On a (described) H200 the rule is aiter_triton with vLLM's config (its tuned file where
+    the installed vLLM ships one, else its default); where aiter's Triton modules cannot load
+    here, it is the torch loop with the loader's reason."""
+    from moetune.runtime.vllm_configs import tuned_config
+
     problem = MoEProblem(256, 4096, 14336, 8, 2)
     choice = rule_choice(problem, H200)
     if choice.kernel == "aiter_triton":
-        assert choice.params == vllm_default_config(problem)
+        tuned = tuned_config(problem, H200)
+        assert choice.params == (tuned[0] if tuned else vllm_default_config(problem))
     else:
         assert choice.kernel == "torch_loop" and "aiter_triton" in choice.reason

@@ -1,6 +1,7 @@
 """One test per platform rule (and per branch of it): what serving runs when the table has nothing."""
 
 import dataclasses
+import json
 import importlib.util
 
 import pytest
@@ -71,3 +72,71 @@ def test_vllm_cpu_kernel_is_not_eligible_off_the_cpu():
 ])
 def test_rocm_rule_is_the_seed_rule(changes, kernel):
     assert rule_choice(dataclasses.replace(BASE, **changes), ROCM).kernel == kernel
+
+
+H200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)
+MIXTRAL = MoEProblem(1, 4096, 14336, 8, 2)
+DEEPSEEK_TP8 = MoEProblem(1, 7168, 256, 256, 8, quant="fp8_block_128x128")
+
+
+def _vllm_pick(problem: MoEProblem, monkeypatch) -> dict:
+    """The config vLLM's own ``try_get_optimal_moe_config`` picks for ``problem`` on an H200."""
+    from vllm.model_executor.layers.fused_moe import fused_moe as vllm_fused_moe
+
+    from moetune.runtime.vllm_configs import selectors
+
+    monkeypatch.setattr(vllm_fused_moe, "get_device_name_as_file_name", lambda: "NVIDIA_H200")
+    vllm_fused_moe.get_moe_configs.cache_clear()
+    e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
+    dtype, block = selectors(problem)
+    config = vllm_fused_moe.try_get_optimal_moe_config(
+        (e, 2 * i, h), (e, h, i), problem.topk, dtype, problem.num_tokens,
+        list(block) if block else None)
+    vllm_fused_moe.get_moe_configs.cache_clear()
+    return {k: v for k, v in config.items() if not (k == "SPLIT_K" and v == 1)}
+
+
+@needs_vllm
+@pytest.mark.parametrize("problem", [
+    *(MIXTRAL.with_tokens(m) for m in (1, 3, 100, 1024, 5000)),  # 3: a tie, vLLM takes 2
+    *(DEEPSEEK_TP8.with_tokens(m) for m in (1, 64, 300)),
+    MoEProblem(300, 4096, 14336, 8, 2, quant="fp8_per_tensor"),  # fp8_w8a8 file
+    MoEProblem(100, 1024, 96, 8, 2),  # no file: vLLM's default heuristic
+], ids=lambda p: p.describe())
+def test_cuda_rule_runs_the_config_vllm_picks(problem, monkeypatch):
+    """The CUDA rule (every winner's baseline) is vLLM's ``try_get_optimal_moe_config``: its
+    shipped tuned file where it has one for the shape and GPU, else its default heuristic."""
+    choice = rule_choice(problem, H200)
+    if choice.kernel != "aiter_triton":
+        pytest.skip(f"aiter's Triton modules do not load here: {choice.reason}")
+    assert choice.params == _vllm_pick(problem, monkeypatch), choice.reason
+    assert ("tuned config" in choice.reason) == (problem.intermediate_size != 96)
+
+
+@needs_vllm
+def test_cuda_rule_reads_the_users_vllm_folder_first(tmp_path, monkeypatch):
+    problem = MIXTRAL.with_tokens(50)
+    entry = {"BLOCK_SIZE_M": 32, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 8,
+             "num_warps": 4, "num_stages": 6}
+    (tmp_path / "E=8,N=14336,device_name=NVIDIA_H200.json").write_text(
+        json.dumps({"triton_version": "3.6.0", "16": {**entry, "BLOCK_SIZE_M": 16}, "64": entry}))
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))
+    choice = rule_choice(problem, H200)
+    if choice.kernel != "aiter_triton":
+        pytest.skip(f"aiter's Triton modules do not load here: {choice.reason}")
+    assert choice.params == entry == _vllm_pick(problem, monkeypatch)  # 8 and 6: beyond the grid
+    assert "entry M=64" in choice.reason
+
+
+def test_cuda_rule_uses_the_default_config_for_a_file_entry_it_cannot_run(tmp_path, monkeypatch):
+    from moetune.runtime.kernels.triton_config import vllm_default_config
+
+    (tmp_path / "E=8,N=14336,device_name=NVIDIA_H200.json").write_text(json.dumps(
+        {"1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
+               "num_warps": 4, "num_stages": 3, "num_ctas": 2}}))
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(tmp_path))
+    choice = rule_choice(MIXTRAL, H200)
+    if choice.kernel != "aiter_triton":
+        pytest.skip(f"aiter's Triton modules do not load here: {choice.reason}")
+    assert choice.params == vllm_default_config(MIXTRAL)
+    assert "cannot run here" in choice.reason and "num_ctas" in choice.reason

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import functools
-import importlib.util
 import json
 import os
 import re
@@ -33,17 +31,16 @@ from typing import Any
 from moetune import db
 from moetune.errors import InvalidParamsError, InvalidProblemError, MoetuneError
 from moetune.runtime.kernels.triton_config import SPACE, config_of
-from moetune.runtime.platform import SKU, Vendor, normalize_device_name
+from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme, Shape, parse_enum
 from moetune.runtime.registry import default_registry
+from moetune.runtime.vllm_configs import (
+    FILE_NAME, config_file_name, device_key, selectors, vllm_device_name)
 from moetune.tuner.formats_io import FormatReport, ImportedWinner, keep_fastest, write_winners
 from moetune.tuner.presets import preset
 
 #: The placeholder time of an imported, unmeasured winner: loses to any measurement.
 UNMEASURED_US = 1e9
-FILE_NAME = re.compile(r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<dev>[^,]+?)"
-                       r"(?:,dtype=(?P<dtype>\w+))?(?:,block_shape=\[(?P<bn>\d+),(?P<bk>\d+)\])?"
-                       r"\.json$")
 KERNEL = "aiter_triton"
 _SPLIT_NAMES = frozenset(f"{g}{n}" for g in ("g1_", "g2_") for n in SPACE)
 # Arch by SKU name: what a file name cannot say; --arch covers the rest.
@@ -98,60 +95,6 @@ def shape_hints(preset_name: str | None = None, hidden: int | None = None,
 
 
 # --- names ------------------------------------------------------------------------------------
-def config_file_name(num_experts: int, n: int, device_name: str, dtype: str | None,
-                     block_shape: tuple[int, int] | None) -> str:
-    """vLLM's ``get_config_file_name``, byte for byte."""
-    name = f"E={num_experts},N={n},device_name={device_name}"
-    name += f",dtype={dtype}" if dtype else ""
-    name += f",block_shape=[{block_shape[0]},{block_shape[1]}]" if block_shape else ""
-    return name + ".json"
-
-
-def selectors(problem: MoEProblem) -> tuple[str | None, tuple[int, int] | None]:
-    """The ``dtype`` and ``block_shape`` parts of the file name for ``problem``."""
-    if problem.quant is QuantScheme.FP8_BLOCK_128X128:
-        return "fp8_w8a8", (128, 128)
-    if problem.quant.is_fp8:
-        return "fp8_w8a8", None
-    return ("float32" if problem.dtype is DType.FLOAT32 else None), None
-
-
-def device_key(device_name: str) -> tuple[str, str] | None:
-    """vLLM device name -> (vendor, moetune SKU name); None for other vendors."""
-    words = device_name.replace("_", " ")
-    upper = words.upper()
-    vendor = ("nvidia" if upper.startswith("NVIDIA") else
-              "amd" if upper.startswith(("AMD", "RADEON")) else None)
-    return (vendor, normalize_device_name(words)) if vendor else None
-
-
-@functools.cache
-def _shipped_names() -> dict[tuple[str, str], str]:
-    """Exact device spellings from the config files the installed vLLM ships (if any)."""
-    spec = importlib.util.find_spec("vllm")
-    if spec is None or not spec.submodule_search_locations:
-        return {}
-    folder = Path(next(iter(spec.submodule_search_locations)), "model_executor", "layers",
-                  "fused_moe", "configs")
-    names: dict[tuple[str, str], str] = {}
-    for f in sorted(folder.glob("E=*.json")):
-        m = FILE_NAME.match(f.name)
-        key = m and device_key(m["dev"])
-        if key:
-            names.setdefault(key, m["dev"])
-    return names
-
-
-def vllm_device_name(vendor: str, name: str) -> tuple[str, bool]:
-    """vLLM's device name for a SKU, and whether it was guessed (not seen in vLLM's files)."""
-    known = _shipped_names().get((vendor, name))
-    guessed = known is None
-    dev = known or (f"NVIDIA_{name}" if vendor == "nvidia" else f"AMD_Instinct_{name}")
-    if "H200" in dev.split("_"):  # vLLM maps the whole H200 family to one name
-        dev, guessed = "NVIDIA_H200", False
-    return dev, guessed
-
-
 def _arch(name: str) -> str | None:
     return next((a for pattern, a in _ARCHES if re.match(rf"({pattern})[A-Z]*(_|$)", name)), None)
 

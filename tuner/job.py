@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 from typing import Callable, Iterable
 
-from moetune import __version__
 from moetune import db
 from moetune.errors import TuningError
 from moetune.runtime.platform import SKU, environment

@@ -50,7 +50,8 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     """Measure up to ``trials`` distinct configurations chosen by an Optuna study.
 
     The rule's pick is enqueued first, then every other kernel's seed configuration (so each
-    family is measured at least once at a sensible point before the sampler specializes).
+    family is measured at least once at a sensible point before the sampler specializes); a
+    rule's pick outside the search space (a vLLM tuned-file config) is measured at the end.
     Configurations pruned before running and repeats do not use up the budget.
 
     With a ``compiler``, trials are asked in batches of its worker count (TPE with a constant
@@ -78,8 +79,8 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
                                 study_name=f"moetune:{problem.describe()}", load_if_exists=True)
     starts = [(rule.kernel, rule.params)] + [
         (k.name, k.seed_params(problem)) for k in candidates if k.name != rule.kernel]
-    for name, params in starts:
-        if params is not None:
+    for name, params in starts:  # the rule's pick may lie outside the space: measured anyway
+        if params is not None and by_name[name].searchable(params):
             study.enqueue_trial({"kernel": name, **{f"{name}.{k}": v for k, v in params.items()}})
     results: dict[Key, Result] = {}
     known = known or {}

@@ -39,7 +39,7 @@ class AiterTritonE2EKernel(AiterTritonKernel):
     """One launch for the whole layer after routing; unquantized gated SiLU only."""
 
     name = "aiter_triton_e2e"
-    params = config_params(space=SPACE)
+    params = config_params(space=SPACE, extra={})
     modules = ("e2e",)
     quants = frozenset({QuantScheme.NONE})
 

@@ -51,10 +51,13 @@ class Trial(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class Param:
-    """One tunable parameter and the finite set of values it may take."""
+    """One tunable parameter: the values the search samples, and values also accepted when
+    given (``extra``: a config another tool chose, like vLLM's tuned files, that the search
+    need not explore)."""
 
     name: str
     choices: tuple[Any, ...]
+    extra: tuple[Any, ...] = ()
 
 
 class BaseKernel(abc.ABC):
@@ -143,11 +146,15 @@ class BaseKernel(abc.ABC):
             raise InvalidParamsError(
                 f"{cls.name}: unknown params {unknown}, missing params {missing}")
         for name, value in params.items():
-            if value not in declared[name].choices or isinstance(value, bool) != isinstance(
-                    declared[name].choices[0], bool):
-                raise InvalidParamsError(
-                    f"{cls.name}: {name}={value!r} not in {list(declared[name].choices)}")
+            allowed = declared[name].choices + declared[name].extra
+            if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+                raise InvalidParamsError(f"{cls.name}: {name}={value!r} not in {list(allowed)}")
         return dict(params)
+
+    @classmethod
+    def searchable(cls, params: dict[str, Any]) -> bool:
+        """Whether the search space holds ``params`` (valid ones may lie outside it)."""
+        return all(params.get(p.name) in p.choices for p in cls.params)
 
     # --- execution ---------------------------------------------------------------------------
     @classmethod

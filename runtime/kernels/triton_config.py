@@ -19,6 +19,15 @@ SPACE: dict[str, tuple[int, ...]] = {
     "num_stages": (2, 3, 4, 5),
 }
 
+#: Values vLLM's shipped tuned files use beyond that grid: valid in a config, not searched.
+VLLM_FILE_EXTRA: dict[str, tuple[int, ...]] = {
+    "BLOCK_SIZE_M": (8,),
+    "BLOCK_SIZE_K": (32,),
+    "GROUP_SIZE_M": (2, 4, 8, 128),
+    "num_warps": (2, 16),
+    "num_stages": (1, 6, 7, 8),
+}
+
 #: fp8 block quantization's (block_n, block_k).
 QUANT_BLOCK = (128, 128)
 
@@ -28,9 +37,11 @@ _HOPPER_SMEM_BYTES = 232448
 _DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
 
 
-def config_params(prefix: str = "", space: dict[str, tuple[int, ...]] = SPACE) -> tuple[Param, ...]:
+def config_params(prefix: str = "", space: dict[str, tuple[int, ...]] = SPACE,
+                  extra: dict[str, tuple[int, ...]] = VLLM_FILE_EXTRA) -> tuple[Param, ...]:
     """``space`` as kernel parameters, names prefixed (``g1_``) when a kernel holds several."""
-    return tuple(Param(prefix + name, choices) for name, choices in space.items())
+    return tuple(Param(prefix + name, choices, extra.get(name, ()))
+                 for name, choices in space.items())
 
 
 def config_of(params: dict[str, Any], prefix: str = "",

@@ -1,0 +1,119 @@
+"""vLLM's tuned fused-MoE config files: their names, where vLLM looks for them, and the config
+vLLM runs for a call, so the CUDA rule is what a vLLM user gets today (a shipped tuned file where
+vLLM has one for the shape and GPU, else vLLM's default heuristic).
+
+A file is ``E={E},N={N},device_name={dev}[,dtype={d}][,block_shape=[bn,bk]].json`` mapping token
+counts to Triton configs; vLLM takes the entry nearest to the call's M (``min`` by distance, so
+on a tie the entry listed first). ``N`` is the intermediate size per partition, ``d`` is
+``fp8_w8a8`` for every fp8 scheme (``float32`` for float32 layers), ``dev`` is vLLM's device name
+with spaces as ``_``. vLLM reads ``VLLM_TUNED_CONFIG_FOLDER`` first, then its own ``configs``.
+Nothing here imports vLLM: the files are found through the installed package's location.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import json
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+from moetune.runtime.platform import SKU, normalize_device_name
+from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+
+FILE_NAME = re.compile(r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<dev>[^,]+?)"
+                       r"(?:,dtype=(?P<dtype>\w+))?(?:,block_shape=\[(?P<bn>\d+),(?P<bk>\d+)\])?"
+                       r"\.json$")
+
+
+def config_file_name(num_experts: int, n: int, device_name: str, dtype: str | None,
+                     block_shape: tuple[int, int] | None) -> str:
+    """vLLM's ``get_config_file_name``, byte for byte."""
+    name = f"E={num_experts},N={n},device_name={device_name}"
+    name += f",dtype={dtype}" if dtype else ""
+    name += f",block_shape=[{block_shape[0]},{block_shape[1]}]" if block_shape else ""
+    return name + ".json"
+
+
+def selectors(problem: MoEProblem) -> tuple[str | None, tuple[int, int] | None]:
+    """The ``dtype`` and ``block_shape`` parts of the file name for ``problem``."""
+    if problem.quant is QuantScheme.FP8_BLOCK_128X128:
+        return "fp8_w8a8", (128, 128)
+    if problem.quant.is_fp8:
+        return "fp8_w8a8", None
+    return ("float32" if problem.dtype is DType.FLOAT32 else None), None
+
+
+def device_key(device_name: str) -> tuple[str, str] | None:
+    """vLLM device name -> (vendor, moetune SKU name); None for other vendors."""
+    words = device_name.replace("_", " ")
+    upper = words.upper()
+    vendor = ("nvidia" if upper.startswith("NVIDIA") else
+              "amd" if upper.startswith(("AMD", "RADEON")) else None)
+    return (vendor, normalize_device_name(words)) if vendor else None
+
+
+def shipped_folder() -> Path | None:
+    """The ``configs`` folder of the installed vLLM, or None without vLLM."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)), "model_executor", "layers",
+                "fused_moe", "configs")
+
+
+@functools.cache
+def _shipped_names() -> dict[tuple[str, str], str]:
+    """Exact device spellings from the config files the installed vLLM ships (if any)."""
+    folder = shipped_folder()
+    names: dict[tuple[str, str], str] = {}
+    for f in sorted(folder.glob("E=*.json")) if folder else ():
+        m = FILE_NAME.match(f.name)
+        key = m and device_key(m["dev"])
+        if key:
+            names.setdefault(key, m["dev"])
+    return names
+
+
+def vllm_device_name(vendor: str, name: str) -> tuple[str, bool]:
+    """vLLM's device name for a SKU, and whether it was guessed (not seen in vLLM's files)."""
+    known = _shipped_names().get((vendor, name))
+    guessed = known is None
+    dev = known or (f"NVIDIA_{name}" if vendor == "nvidia" else f"AMD_Instinct_{name}")
+    if "H200" in dev.split("_"):  # vLLM maps the whole H200 family to one name
+        dev, guessed = "NVIDIA_H200", False
+    return dev, guessed
+
+
+def tuned_file(problem: MoEProblem, sku: SKU) -> Path | None:
+    """The tuned config file vLLM would read for ``problem`` on ``sku``, if one exists."""
+    name = config_file_name(problem.num_experts, problem.intermediate_size,
+                            vllm_device_name(sku.vendor.value, sku.name)[0], *selectors(problem))
+    user = os.environ.get("VLLM_TUNED_CONFIG_FOLDER")
+    for folder in (Path(user) if user else None, shipped_folder()):
+        if folder is not None and (folder / name).is_file():
+            return folder / name
+    return None
+
+
+@functools.lru_cache(maxsize=64)
+def _entries(path: Path) -> dict[int, dict[str, Any]] | None:
+    """``{token count: config}`` of a file, in file order; None if it is not readable JSON."""
+    try:
+        data = json.loads(path.read_text())
+        return {int(k): v for k, v in data.items() if k != "triton_version"}
+    except (OSError, ValueError, AttributeError, TypeError):
+        return None
+
+
+def tuned_config(problem: MoEProblem, sku: SKU) -> tuple[dict[str, Any], Path, int] | None:
+    """(config, file, entry M) vLLM runs for ``problem`` from a tuned file, or None when vLLM
+    would use its default heuristic (no file, or one it could not read either)."""
+    path = tuned_file(problem, sku)
+    entries = _entries(path) if path else None
+    if not entries:
+        return None
+    m = min(entries, key=lambda k: abs(k - problem.num_tokens))
+    return dict(entries[m]), path, m  # type: ignore[arg-type]
