@@ -9,13 +9,11 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-from moetune.errors import InvalidParamsError
 from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
-from moetune.runtime.kernels.triton_config import vllm_default_config
+from moetune.runtime.kernels.triton_config import vllm_config
 from moetune.runtime.kernels.vllm_cpu_experts import VllmCpuExpertsKernel
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import MoEProblem, QuantScheme
-from moetune.runtime.vllm_configs import tuned_config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,28 +49,14 @@ def rocm_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
 
 def cuda_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
     """CUDA: vLLM's Triton fused-MoE path (aiter ships the same kernel) with the config vLLM
-    picks (``try_get_optimal_moe_config``): its tuned file's entry nearest to M where vLLM has
-    a file for the shape and GPU, else its default heuristic. The torch loop where that kernel
-    cannot run, saying why."""
+    picks: its tuned file's entry nearest to M where vLLM has a file for the shape and GPU,
+    else its default heuristic. The torch loop where that kernel cannot run, saying why."""
     ok, why = AiterTritonKernel.supports(problem, sku)
     if not ok:
         return RuleChoice("torch_loop", {}, f"CUDA rule: torch loop ({why})")
-    tuned = tuned_config(problem, sku)
-    if tuned is None:
-        return RuleChoice("aiter_triton", vllm_default_config(problem),
-                          "CUDA rule: vLLM's fused-MoE Triton kernel with its default config "
-                          "(vLLM has no tuned file for this shape and GPU)")
-    config, path, m = tuned
-    if config.get("num_ctas") == 1:  # Triton's default, which the aiter launch uses anyway
-        del config["num_ctas"]
-    try:
-        params = AiterTritonKernel.validate(config)
-    except InvalidParamsError as e:
-        return RuleChoice("aiter_triton", vllm_default_config(problem),
-                          f"CUDA rule: vLLM's default config; the entry M={m} of vLLM's tuned "
-                          f"file {path.name} cannot run here ({e})")
-    return RuleChoice("aiter_triton", params, f"CUDA rule: vLLM's fused-MoE Triton kernel with "
-                      f"its tuned config {path.name}, entry M={m}")
+    config, source = vllm_config(problem, sku)
+    return RuleChoice("aiter_triton", config,
+                      f"CUDA rule: vLLM's fused-MoE Triton kernel with {source}")
 
 
 RULES: dict[Vendor, Callable[[MoEProblem, SKU], RuleChoice]] = {

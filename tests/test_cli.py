@@ -63,6 +63,7 @@ def test_doctor_reports_device_and_eligibility():
     result = invoke("doctor", "--device", "cpu")
     assert result.exit_code == 0
     assert "cpu:" in result.output and "torch_loop" in result.output and "eligible" in result.output
+    assert "rule:    CPU rule:" in result.output  # the baseline a tune here would time
 
 
 def test_export_import_and_merge(tiny_table, tmp_path):

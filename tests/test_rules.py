@@ -140,3 +140,19 @@ def test_cuda_rule_uses_the_default_config_for_a_file_entry_it_cannot_run(tmp_pa
         pytest.skip(f"aiter's Triton modules do not load here: {choice.reason}")
     assert choice.params == vllm_default_config(MIXTRAL)
     assert "cannot run here" in choice.reason and "num_ctas" in choice.reason
+
+
+@needs_vllm
+def test_triton_families_start_their_search_from_the_rules_config():
+    """The rule is the bar to beat, so every aiter Triton family's first trial is its config."""
+    from moetune.runtime.kernels.triton_config import with_prefix
+
+    problem = MIXTRAL.with_tokens(256)
+    rule = rule_choice(problem, H200)
+    if rule.kernel != "aiter_triton":
+        pytest.skip(f"aiter's Triton modules do not load here: {rule.reason}")
+    assert "tuned config" in rule.reason
+    split = with_prefix(rule.params, "g1_") | with_prefix(rule.params, "g2_")
+    for name in ("aiter_triton", "aiter_triton_silu_fused", "aiter_triton_persistent"):
+        seed = default_registry.get(name).seed_params(problem, H200)
+        assert seed == (rule.params if name == "aiter_triton" else split)

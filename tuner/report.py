@@ -12,6 +12,7 @@ from moetune.runtime.dispatcher import Dispatcher, Selection
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
+from moetune.runtime.rules import rule_choice
 from moetune.tuner.job import BucketOutcome
 
 
@@ -83,9 +84,10 @@ def doctor_text(sku: SKU, registry: Registry, problem: MoEProblem) -> str:
     env = environment()
     lines = [f"device:  {sku.label()}, {sku.memory_bytes / 2**30:.0f} GiB",
              "software: " + ", ".join(f"{k} {v}" for k, v in env.items() if v),
+             f"rule:    {rule_choice(problem, sku).reason}",
              f"kernels for {problem.describe()}:"]
     for name, why in registry.eligibility(problem, sku).items():
-        lines.append(f"  {name:<24} {'eligible' if why is None else 'no: ' + why}")
+        lines.append(f"  {name:<34} {'eligible' if why is None else 'no: ' + why}")
     return "\n".join(lines)
 
 

@@ -78,7 +78,7 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
                                 study_name=f"moetune:{problem.describe()}", load_if_exists=True)
     starts = [(rule.kernel, rule.params)] + [
-        (k.name, k.seed_params(problem)) for k in candidates if k.name != rule.kernel]
+        (k.name, k.seed_params(problem, sku)) for k in candidates if k.name != rule.kernel]
     for name, params in starts:  # the rule's pick may lie outside the space: measured anyway
         if params is not None and by_name[name].searchable(params):
             study.enqueue_trial({"kernel": name, **{f"{name}.{k}": v for k, v in params.items()}})

@@ -18,7 +18,7 @@ from moetune.runtime import aiter_loader
 from moetune.runtime.kernels._math import activate
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.kernels.triton_config import (
-    QUANT_BLOCK, check_config, config_of, config_params, vllm_default_config)
+    QUANT_BLOCK, check_config, config_of, config_params, vllm_config)
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
@@ -84,9 +84,9 @@ class AiterTritonKernel(BaseKernel):
         return config, config
 
     @classmethod
-    def seed_params(cls, problem: MoEProblem) -> dict[str, Any] | None:
-        """vLLM's default config (the CUDA rule's), so each family starts where serving is."""
-        return vllm_default_config(problem)
+    def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
+        """vLLM's config (the CUDA rule's), so each family starts where serving is."""
+        return vllm_config(problem, sku)[0]
 
     @classmethod
     def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:

@@ -44,7 +44,7 @@ class AiterTritonE2EKernel(AiterTritonKernel):
     quants = frozenset({QuantScheme.NONE})
 
     @classmethod
-    def seed_params(cls, problem: MoEProblem) -> dict[str, Any] | None:
+    def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
         return None  # its space is not vLLM's: no serving default to start from
 
     @classmethod

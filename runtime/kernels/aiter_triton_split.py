@@ -10,9 +10,10 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
+from moetune.runtime.platform import SKU
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.kernels.triton_config import (
-    config_of, config_params, vllm_default_config, with_prefix)
+    config_of, config_params, vllm_config, with_prefix)
 
 
 class AiterTritonSplitKernel(AiterTritonKernel):
@@ -26,6 +27,6 @@ class AiterTritonSplitKernel(AiterTritonKernel):
         return config_of(params, "g1_"), config_of(params, "g2_")
 
     @classmethod
-    def seed_params(cls, problem: MoEProblem) -> dict[str, Any] | None:
-        default = vllm_default_config(problem)
-        return with_prefix(default, "g1_") | with_prefix(default, "g2_")
+    def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
+        config = vllm_config(problem, sku)[0]
+        return with_prefix(config, "g1_") | with_prefix(config, "g2_")

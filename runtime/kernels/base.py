@@ -121,7 +121,7 @@ class BaseKernel(abc.ABC):
                 for p in cls.params}
 
     @classmethod
-    def seed_params(cls, problem: MoEProblem) -> dict[str, Any] | None:
+    def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
         """A known-good configuration the search measures first (None: let the sampler pick)."""
         return {} if not cls.params else None
 

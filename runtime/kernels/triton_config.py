@@ -7,7 +7,9 @@ import functools
 from typing import Any
 
 from moetune.runtime.kernels.base import Param
+from moetune.runtime.platform import SKU
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+from moetune.runtime.vllm_configs import tuned_config
 
 #: vLLM's ``get_configs_compute_bound`` grid for CUDA (1920 points); configs export to its JSON.
 SPACE: dict[str, tuple[int, ...]] = {
@@ -124,3 +126,29 @@ def vllm_default_config(problem: MoEProblem) -> dict[str, int]:
         "num_warps": 4 if m <= 128 else 8,
         "num_stages": 4 if m <= 32 else 3,
     }
+
+
+def vllm_config(problem: MoEProblem, sku: SKU) -> tuple[dict[str, int], str]:
+    """The config vLLM runs for ``problem`` on ``sku`` (``try_get_optimal_moe_config``: its
+    tuned file's nearest entry, else ``get_default_config``), and where it came from."""
+    tuned = tuned_config(problem, sku)
+    if tuned is None:
+        return vllm_default_config(problem), ("its default config (vLLM has no tuned file for "
+                                              "this shape and GPU)")
+    config, path, m = tuned
+    if config.get("num_ctas") == 1:  # Triton's default, which the aiter launch uses anyway
+        del config["num_ctas"]
+    why = _not_a_config(config)
+    if why:
+        return vllm_default_config(problem), (f"its default config; the entry M={m} of its tuned "
+                                              f"file {path.name} cannot run here ({why})")
+    return config, f"its tuned config {path.name}, entry M={m}"
+
+
+def _not_a_config(config: dict[str, object]) -> str | None:
+    if set(config) != set(SPACE):
+        return f"parameters {sorted(config)}, expected {sorted(SPACE)}"
+    for name, value in config.items():
+        if value not in SPACE[name] + VLLM_FILE_EXTRA.get(name, ()):
+            return f"{name}={value!r}"
+    return None
