@@ -301,3 +301,15 @@ def test_search_times_candidates_far_slower_than_the_best_only_roughly(small_pro
     assert slow.status is Status.OK and slow.timing.samples == PROBE_REPS
     assert slow.reason.startswith("timing cut after 3 reps")
     assert fast.timing.samples == 10 and fast.reason is None
+
+
+def test_a_compile_pool_that_cannot_start_leaves_candidates_to_the_measurer(small_problem):
+    """A pool worker that dies setting up (say its GPU is out of memory) blames no candidate."""
+    from moetune.tuner.precompile import CompilePool
+
+    pool = CompilePool(small_problem, "no-such-device", Registry(), workers=1, timeout_s=120)
+    try:
+        assert pool.compile([("torch_loop", {})]) == [None]
+        assert not pool._children[0].alive  # it did die: the None is not a compile that ran
+    finally:
+        pool.close()

@@ -17,6 +17,10 @@ class Died(str):
     """How a child died instead of replying (a reply is never of this type)."""
 
 
+class StartFailed(Died):
+    """The child died setting up, before any request: the request itself is not to blame."""
+
+
 class Child:
     """One child running ``target(conn, *args)``, started on first use and after a death."""
 
@@ -62,7 +66,7 @@ class Child:
                 self._proc.kill()
             self._proc = self._conn = None
 
-    def _start(self) -> Died | None:
+    def _start(self) -> StartFailed | None:
         if self._proc is not None:
             self.restarts += 1
         parent, child = self._ctx.Pipe()
@@ -76,7 +80,7 @@ class Child:
         except EOFError:
             pass
         self._kill()
-        return Died(f"worker failed to start (exit code {self._exit})")
+        return StartFailed(f"worker failed to start (exit code {self._exit})")
 
     def _kill(self) -> None:
         if self._proc is not None:

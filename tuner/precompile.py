@@ -20,7 +20,7 @@ import torch
 
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
-from moetune.tuner.child import Child, context_healthy
+from moetune.tuner.child import Child, StartFailed, context_healthy
 from moetune.tuner.inputs import Routing, make_batch, make_weights
 from moetune.tuner.measure import describe_exception
 
@@ -92,7 +92,8 @@ class CompilePool:
 
         Returns:
             Per candidate, why it failed (an error, a crash, a timeout), or None if it ran or
-            the pool itself lacked memory (the measurer then compiles it as usual).
+            the pool could not run it (no memory, a worker that cannot start): the measurer
+            then compiles it as usual.
         """
         free: queue.SimpleQueue[Child] = queue.SimpleQueue()
         for child in self._children:
@@ -104,7 +105,7 @@ class CompilePool:
                 reply = child.call(("compile", candidate))
             finally:
                 free.put(child)
-            return None if reply is None else str(reply)
+            return None if reply is None or isinstance(reply, StartFailed) else str(reply)
 
         start = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:
