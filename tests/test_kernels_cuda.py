@@ -197,3 +197,40 @@ def test_cuda_rule_picks_the_triton_kernel_or_says_why_not():
         assert choice.params == (tuned[0] if tuned else vllm_default_config(problem))
     else:
         assert choice.kernel == "torch_loop" and "aiter_triton" in choice.reason
+
+
+GRAPH_SAFE = [n for n in default_registry.names() if default_registry.get(n).graph_safe]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("problem", [MoEProblem(33, 256, 128, 8, 2),
+                                     MoEProblem(5, 256, 256, 16, 2, quant="fp8_block_128x128")],
+                         ids=lambda p: p.describe().replace(" ", "-"))
+@pytest.mark.parametrize("name", GRAPH_SAFE)
+def test_graph_safe_kernels_replay_a_captured_graph_on_new_inputs(name, problem, gpu_sku):
+    """``graph_safe`` is what lets serving run a winner while vLLM captures CUDA graphs: the
+    captured call, replayed on inputs copied into its buffers, must compute what an eager call
+    on those inputs computes (no host sync at capture, no routing baked in)."""
+    kernel = default_registry.get(name)
+    ok, why = kernel.supports(problem, gpu_sku)
+    if not ok:
+        pytest.skip(why)
+    params = {"torch_dense": {"chunk_tokens": 32}}.get(name) or _params(name, problem)
+    fn = kernel.prepare(problem, kernel.validate(params), make_weights(problem, "cuda", seed=1))
+    static = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF).args()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and allocate outside the capture
+        fn(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(*static)
+    fresh = make_batch(problem, "cuda", seed=3).args()  # other tokens, other experts
+    for buffer, value in zip(static, fresh):
+        buffer.copy_(value)
+    graph.replay()
+    eager = fn(*fresh)
+    torch.cuda.synchronize()
+    assert relative_error(captured, eager) <= 1e-6, name
