@@ -313,3 +313,15 @@ def test_a_compile_pool_that_cannot_start_leaves_candidates_to_the_measurer(smal
         assert not pool._children[0].alive  # it did die: the None is not a compile that ran
     finally:
         pool.close()
+
+
+def test_compile_workers_default_to_half_the_cores_on_cuda_only(monkeypatch):
+    import os
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert JobOptions(device="cuda").compilers == 8 and JobOptions(device="cpu").compilers == 0
+    monkeypatch.setattr(os, "cpu_count", lambda: 64)
+    assert JobOptions(device="cuda:1").compilers == 8
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    assert JobOptions(device="cuda").compilers == 0  # one worker would only add a process
+    assert JobOptions(device="cuda", compile_workers=3).compilers == 3

@@ -39,7 +39,7 @@ class JobOptions:
     #: poison the context for every later candidate).
     isolate: bool | None = None
     #: Children compiling JIT candidates ahead of timing; None: half the cores (at most 8) on
-    #: CUDA, none on CPU (nothing there compiles per config).
+    #: CUDA when that is at least 2, none on CPU (nothing there compiles per config).
     compile_workers: int | None = None
 
     @property
@@ -50,7 +50,8 @@ class JobOptions:
     def compilers(self) -> int:
         if self.compile_workers is not None:
             return self.compile_workers
-        return min(8, max(1, (os.cpu_count() or 2) // 2)) if self.device.startswith("cuda") else 0
+        workers = min(8, (os.cpu_count() or 2) // 2)
+        return workers if workers >= 2 and self.device.startswith("cuda") else 0  # 1 = serial
 
 
 @dataclasses.dataclass(frozen=True)
