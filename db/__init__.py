@@ -1,4 +1,5 @@
-"""Storage: table files (one SQLite file per GPU SKU), their schema, migrations and file operations.
+"""Storage: table files (one SQLite file per GPU SKU) or a shared database server, their schema,
+migrations and file operations.
 
 Imports nothing from ``moetune.runtime`` or ``moetune.tuner`` (and no torch): ``db`` is the bottom
 layer. The code lives in the private modules; this module only re-exports.
@@ -19,7 +20,7 @@ from moetune.db._models import (
     WinnerRow,
 )
 from moetune.db._read import TableSnapshot, WinnerRecord, read_measurements, read_winners
-from moetune.db._schema import HEAD_REVISION, alembic_config, schema_revision
+from moetune.db._schema import HEAD_REVISION, alembic_config, is_url, schema_revision
 from moetune.db._tuning import (
     add_measurement,
     finish_run,
@@ -52,6 +53,7 @@ __all__ = [
     "finish_run",
     "get_or_create_bucket",
     "get_or_create_sku",
+    "is_url",
     "load_json",
     "measured",
     "merge_tables",

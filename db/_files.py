@@ -1,8 +1,10 @@
-"""Opening table files, and writing them so a reader never sees one half-written.
+"""Opening tables, and writing them so a reader never sees one half-written.
 
 Serving reads tables that the tuner, ``export`` and ``merge`` replace; a crash or an error in the
 middle of a write must leave the previous file exactly as it was. ``write_table`` therefore works
 on a temporary file in the same directory and ``os.replace``s it into place only on success.
+A table may also live in a database server (a URL such as ``postgresql+psycopg://host/db``):
+there each session is one transaction (see ``_server``).
 """
 
 import contextlib
@@ -27,10 +29,12 @@ from moetune.db._schema import (
     create_schema,
     error_reason,
     inspect_file,
+    is_url,
     make_engine,
     sqlite_url,
     upgrade_schema,
 )
+from moetune.db._server import display_url, open_server_table
 from moetune.errors import TableError
 
 
@@ -42,7 +46,8 @@ class TableFile:
     its connections.
     """
 
-    def __init__(self, path: Path, engine: Engine, revision: str, *, writable: bool) -> None:
+    def __init__(self, path: Path | str, engine: Engine, revision: str, *,
+                 writable: bool) -> None:
         self.path = path
         self.engine = engine
         self.revision = revision
@@ -92,7 +97,7 @@ def open_table(path: str | Path, *, writable: bool = False) -> TableFile:
     Writing in place is not atomic across sessions; use :func:`write_table` for that.
 
     Args:
-        path: The SQLite table file.
+        path: The SQLite table file, or a database server's URL.
         writable: Open for writing (creating or upgrading the file as needed).
 
     Returns:
@@ -102,6 +107,9 @@ def open_table(path: str | Path, *, writable: bool = False) -> TableFile:
         TableError: If the file is missing (read-only), empty, truncated, not SQLite, not a
             moetune table, or written by a newer moetune schema.
     """
+    if is_url(path):
+        engine, shown = open_server_table(str(path), writable=writable)
+        return TableFile(shown, engine, HEAD_REVISION, writable=writable)
     path = Path(path)
     try:
         if writable and not path.exists():
@@ -130,10 +138,17 @@ def write_table(path: str | Path) -> Iterator[TableFile]:
     the copy atomically replaces ``path``; when it raises, the copy is deleted and ``path`` is
     untouched. Readers keep seeing the old file until the replace.
 
+    A server URL is opened for writing instead: each of the block's sessions commits on its
+    own, all or nothing, so callers put what must land together in one session.
+
     Raises:
         TableError: If the directory is missing or not writable (checked before any work), or
             if the existing file is not a table this moetune can use.
     """
+    if is_url(path):
+        with open_table(path, writable=True) as table:
+            yield table
+        return
     with atomic_table(path, start_from_existing=True) as table:
         yield table
 
@@ -143,7 +158,13 @@ def atomic_table(path: str | Path, *, start_from_existing: bool) -> Iterator[Tab
     """``write_table``, optionally starting from an empty schema instead of ``path``'s rows.
 
     Exports and merges build their output from scratch, even when ``out`` already exists.
+
+    Raises:
+        TableError: ``path`` is a server URL: exports and merges write table files.
     """
+    if is_url(path):
+        raise TableError(f"{display_url(str(path))}: exports and merges write a table file, "
+                         "not a database")
     path = Path(path)
     directory = path.absolute().parent
     if not directory.is_dir():

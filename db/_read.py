@@ -13,6 +13,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from moetune.db._files import open_table
+from moetune.db._schema import is_url
 from moetune.db._jsontext import load_json
 from moetune.db._models import (
     BUCKET_COLUMNS,
@@ -48,7 +49,7 @@ class TableSnapshot:
     """Everything serving needs from one table file.
 
     Attributes:
-        path: The file read.
+        path: The file (or server URL) read.
         schema_revision: Its Alembic revision on disk (older ones are upgraded in memory).
         skus: Every SKU in the file, as plain dicts.
         environment: Versions recorded by the newest run that has winners (``{}`` if none).
@@ -56,7 +57,7 @@ class TableSnapshot:
         bad_rows: One reason per row that was skipped because it could not be used.
     """
 
-    path: Path
+    path: Path | str
     schema_revision: str
     skus: list[dict[str, Any]]
     environment: dict[str, Any]
@@ -71,7 +72,7 @@ def read_winners(path: str | Path) -> TableSnapshot:
         TableError: If the file is missing, corrupt, not a moetune table, or newer than us.
             Malformed rows do not raise; they are listed in ``bad_rows``.
     """
-    path = Path(path)
+    path = path if is_url(path) else Path(path)
     bad_rows: list[str] = []
     rows: list[WinnerRecord] = []
     with open_table(path) as table, table.session() as session:

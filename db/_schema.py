@@ -57,15 +57,23 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
     return sqlite3.connect(f"file:{quote(str(Path(path).absolute()))}?mode=ro", uri=True)
 
 
+def is_url(target: str | Path) -> bool:
+    """Whether ``target`` names a database server (``postgresql+psycopg://...``), not a file."""
+    return isinstance(target, str) and "://" in target
+
+
 def make_engine(url: URL | str, *, foreign_keys: bool = True, **kwargs: Any) -> Engine:
     """An engine with transactional DDL and (unless disabled) enforced foreign keys.
 
     pysqlite commits implicitly before DDL, so a crash in the middle of a migration could leave
     half a schema; emitting our own ``BEGIN`` makes DDL transactional (SQLAlchemy's SQLite docs,
     "Using SQLAlchemy to emit BEGIN"). Listeners are per engine, never on the ``Engine`` class,
-    so other SQLite users in the process (Optuna's storage) are left alone.
+    so other SQLite users in the process (Optuna's storage) are left alone. Server databases
+    (PostgreSQL) have transactional DDL and enforced keys already.
     """
     engine = create_engine(url, **kwargs)
+    if engine.dialect.name != "sqlite":
+        return engine
 
     def on_connect(dbapi_connection: Any, _record: Any) -> None:
         dbapi_connection.isolation_level = None
@@ -86,7 +94,8 @@ def alembic_config(
     """An Alembic config built in code (no alembic.ini), for ``alembic.command.*``.
 
     Args:
-        path: Table file for commands that open their own connection (``check``, ``upgrade``).
+        path: Table file (or server URL) for commands that open their own connection
+            (``check``, ``upgrade``).
         connection: An open connection for the migration to run in (``env.py`` prefers it).
     """
     config = Config()
@@ -94,7 +103,8 @@ def alembic_config(
     # New migration files are named by their readable revision id alone: 0002_add_roofline.py.
     config.set_main_option("file_template", "%%(rev)s")
     if path is not None:
-        url = sqlite_url(Path(path)).render_as_string(hide_password=False)
+        url = str(path) if is_url(path) else sqlite_url(Path(path)).render_as_string(
+            hide_password=False)
         config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))  # configparser escaping
     if connection is not None:
         config.attributes["connection"] = connection
@@ -107,7 +117,7 @@ def known_revisions() -> frozenset[str]:
     return frozenset(s.revision for s in script.walk_revisions())
 
 
-def not_a_table(path: Path, what: str) -> TableError:
+def not_a_table(path: str | Path, what: str) -> TableError:
     """The one error text for files that are not moetune tables."""
     return TableError(f"{path}: not a moetune table ({what})")
 
@@ -136,7 +146,7 @@ def inspect_file(path: Path) -> FileState:
     return FileState(revision=heads[0], tables=tables)
 
 
-def check_revision(path: Path, state: FileState) -> None:
+def check_revision(path: str | Path, state: FileState) -> None:
     """Refuse a file whose schema this moetune cannot read.
 
     An unknown revision next to our tables means a newer moetune wrote the file; an unknown

@@ -10,7 +10,8 @@ import math
 import socket
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import Select, select
+from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from moetune import __version__
@@ -45,11 +46,10 @@ def get_or_create_sku(
     """
     key = {"vendor": _value(vendor), "name": name, "arch": arch}
     key["compute_units"] = int(compute_units)
-    sku = session.scalars(select(SkuRow).filter_by(**key)).one_or_none()
+    query = select(SkuRow).filter_by(**key)
+    sku = session.scalars(query).one_or_none()
     if sku is None:
-        sku = SkuRow(**key, memory_bytes=int(memory_bytes))
-        session.add(sku)
-        session.flush()
+        sku = _add_unique(session, SkuRow(**key, memory_bytes=int(memory_bytes)), query)
     return sku
 
 
@@ -79,12 +79,23 @@ def get_or_create_bucket(session: Session, **key: Any) -> BucketRow:
         ValueError: If the key columns are not exactly the 10 bucket columns.
     """
     row = bucket_key(key)
-    bucket = session.scalars(select(BucketRow).filter_by(**row)).one_or_none()
+    query = select(BucketRow).filter_by(**row)
+    bucket = session.scalars(query).one_or_none()
     if bucket is None:
-        bucket = BucketRow(**row)
-        session.add(bucket)
-        session.flush()
+        bucket = _add_unique(session, BucketRow(**row), query)
     return bucket
+
+
+def _add_unique(session: Session, row: Any, query: Select[Any]) -> Any:
+    """Insert ``row``; if another writer (a job on another host, same server table) inserted
+    the same unique key since we looked, return that row instead."""
+    try:
+        with session.begin_nested():
+            session.add(row)
+            session.flush()
+        return row
+    except IntegrityError:
+        return session.scalars(query).one()
 
 
 def start_run(
@@ -187,12 +198,13 @@ def set_winner(
     for name, value in (("median_us", median_us), ("baseline_us", baseline_us)):
         if not (math.isfinite(value) and value > 0):
             raise ValueError(f"winner {kernel}: {name} must be a positive finite time, got {value}")
-    winner = session.scalars(
-        select(WinnerRow).filter_by(sku_id=sku.id, bucket_id=bucket.id)
-    ).one_or_none()
-    if winner is None:
-        winner = WinnerRow(sku_id=sku.id, bucket_id=bucket.id)
-        session.add(winner)
+    query = select(WinnerRow).filter_by(sku_id=sku.id, bucket_id=bucket.id)
+    winner = session.scalars(query).one_or_none()
+    if winner is None:  # placeholder values, replaced below; another writer may win the insert
+        winner = _add_unique(session, WinnerRow(
+            sku_id=sku.id, bucket_id=bucket.id, kernel=kernel, params="{}", median_us=median_us,
+            p20_us=p20_us, p80_us=p80_us, baseline_kernel=baseline_kernel, baseline_params="{}",
+            baseline_us=baseline_us, speedup=1.0, run_id=run.id, updated_at=utcnow()), query)
     winner.kernel = kernel
     winner.params = dump_json(params)
     winner.median_us, winner.p20_us, winner.p80_us = median_us, p20_us, p80_us

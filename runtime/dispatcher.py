@@ -87,7 +87,7 @@ class Dispatcher:
         if path is None:
             return cls(sku, TableStatus(None, False, "no table configured"), {}, registry)
         try:
-            snapshot = read_winners(Path(path))
+            snapshot = read_winners(path)
         except (MoetuneError, OSError) as e:
             return cls(sku, TableStatus(str(path), False, str(e)), {}, registry)
         reason = _foreign(snapshot, sku, check_environment)

@@ -79,7 +79,8 @@ DeviceOpt = Annotated[Device, typer.Option(help="Where to measure")]
 @app.command()
 @_errors_to_exit
 def tune(
-    output: Annotated[Path, typer.Option("--output", "-o", help="Table file to write")],
+    output: Annotated[str, typer.Option("--output", "-o", help="Table file to write, or a "
+                                        "database URL (postgresql+psycopg://...) shared by jobs")],
     preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
     hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
     topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
@@ -134,8 +135,9 @@ def tune(
 
 @app.command()
 @_errors_to_exit
-def show(table: Path, as_json: Annotated[bool, typer.Option("--json", help="One JSON object per "
-                                                           "winner row")] = False) -> None:
+def show(table: Annotated[str, typer.Argument(help="Table file or database URL")],
+         as_json: Annotated[bool, typer.Option("--json", help="One JSON object per "
+                                               "winner row")] = False) -> None:
     """Print a table's winners: bucket, kernel, params, time, speedup, error."""
     snapshot = db.read_winners(table)
     if as_json:
@@ -149,8 +151,9 @@ def show(table: Path, as_json: Annotated[bool, typer.Option("--json", help="One 
 @_errors_to_exit
 def lookup(
     num_tokens: Annotated[int, typer.Option(min=1, help="Tokens in the MoE call")],
-    table: Annotated[Optional[Path], typer.Option(
-        help="Table to consult (default: the one shipped for this device, if any)")] = None,
+    table: Annotated[Optional[str], typer.Option(
+        help="Table file or database URL to consult (default: the one shipped for this device, "
+        "if any)")] = None,
     preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
     hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
     topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
@@ -162,7 +165,7 @@ def lookup(
     problem = shape.problem(num_tokens)
     sku = detect_sku(device.value)
     if table is None and shipped_table(sku).is_file():
-        table = shipped_table(sku)
+        table = str(shipped_table(sku))
     dispatcher = Dispatcher.load(table, sku)
     selection = dispatcher.select(problem)
     out.print(report.lookup_text(problem, dispatcher, selection), highlight=False)
@@ -180,7 +183,7 @@ def doctor(device: DeviceOpt = Device.auto, preset: Annotated[str, typer.Option(
 
 @app.command("export")
 @_errors_to_exit
-def export_(table: Path, output: Annotated[Path, typer.Option("--output", "-o", help=(
+def export_(table: Annotated[str, typer.Argument(help="Table file or database URL")], output: Annotated[Path, typer.Option("--output", "-o", help=(
                 "sqlite/aiter: the file to write; vllm: the folder for the JSON files"))],
             format: Annotated[ExportFormat, typer.Option("--format")] = ExportFormat.sqlite,
             with_measurements: Annotated[bool, typer.Option(
@@ -230,6 +233,8 @@ def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
 
 @app.command()
 @_errors_to_exit
-def merge(a: Path, b: Path, output: Annotated[Path, typer.Option("--output", "-o")]) -> None:
+def merge(a: Annotated[str, typer.Argument(help="Table file or database URL")],
+          b: Annotated[str, typer.Argument(help="Table file or database URL")],
+          output: Annotated[Path, typer.Option("--output", "-o")]) -> None:
     """Merge two tables; per bucket the faster (or, within noise, newer) winner stays."""
     out.print(report.merge_text(db.merge_tables(a, b, output)), highlight=False)

@@ -81,7 +81,7 @@ def _sku_row(session: object, sku: SKU) -> db.SkuRow:
                                 compute_units=sku.compute_units, memory_bytes=sku.memory_bytes)
 
 
-def run_job(problems: Iterable[MoEProblem], output: Path, sku: SKU, opts: JobOptions, *,
+def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: JobOptions, *,
             registry: Registry = default_registry,
             on_bucket: Callable[[BucketOutcome], None] | None = None,
             on_trial: Callable[[], None] | None = None) -> list[BucketOutcome]:
@@ -117,7 +117,7 @@ def run_job(problems: Iterable[MoEProblem], output: Path, sku: SKU, opts: JobOpt
     return outcomes
 
 
-def _tune_bucket(problem: MoEProblem, output: Path, sku: SKU, opts: JobOptions,
+def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOptions,
                  registry: Registry, run_id: int, on_trial: Callable[[], None] | None,
                  worker: IsolatedMeasurer | None, pool: CompilePool | None) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
@@ -162,9 +162,9 @@ def _tune_bucket(problem: MoEProblem, output: Path, sku: SKU, opts: JobOptions,
     return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds)
 
 
-def _known_results(output: Path, sku: SKU, problem: MoEProblem) -> dict[Key, Result]:
+def _known_results(output: Path | str, sku: SKU, problem: MoEProblem) -> dict[Key, Result]:
     """Measurements an earlier run left in ``output`` for this bucket (resume)."""
-    if not output.exists():
+    if not db.is_url(output) and not Path(output).exists():
         return {}
     with db.open_table(output, writable=True) as table, table.session() as s:
         bucket = db.get_or_create_bucket(s, **problem.to_row())
