@@ -85,8 +85,11 @@ def test_wrong_and_crashing_kernels_are_recorded_and_never_win(small_problem, cp
 
 def test_poisoned_memory_catches_a_kernel_that_skips_outputs(small_problem):
     reg = registry_with(PartialWriteKernel)
-    result = Measurer(small_problem, "cpu", reg, reps=3).measure("partial_write", {})
-    assert result.status is Status.WRONG
+    measurer = Measurer(small_problem, "cpu", reg, reps=3)
+    reference = reg.get("reference").prepare(small_problem, {}, measurer.weights)
+    for _ in range(50):  # a correct output of the same size, freed just before: reusable memory
+        reference(*measurer.check.args()).clone()
+        assert measurer.measure("partial_write", {}).status is Status.WRONG
 
 
 def test_search_covers_a_small_space_once_and_stops(small_problem, cpu_sku):

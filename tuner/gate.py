@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
+from typing import Callable, Iterator
+
 import torch
 
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
@@ -28,10 +33,33 @@ def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out - ref).norm() / ref.norm().clamp(min=1e-30))
 
 
-def poison_allocator(device: str, nbytes: int) -> None:
-    """Leave NaN in freed memory so a kernel that skips output elements reads as wrong.
+@contextlib.contextmanager
+def poisoned_allocations(device: str, nbytes: int) -> Iterator[None]:
+    """While a candidate is checked, make memory it allocates but never writes read as wrong.
 
-    The caching allocators hand the next ``empty`` the block just freed; best effort on CPU.
+    CPU with glibc: malloc fills every new block with 0x7F bytes (``M_PERTURB``), huge or NaN
+    in every float format, so skipped output elements fail the gate deterministically. CUDA
+    (and other C libraries): NaN is left in ``nbytes`` of freed memory, which the caching
+    allocator hands the next ``empty`` of that size; best effort.
     """
-    junk = torch.full((max(nbytes // 4, 1),), float("nan"), device=device)
-    del junk
+    mallopt = _glibc_mallopt() if not device.startswith("cuda") else None
+    if mallopt is None:
+        torch.full((max(nbytes // 4, 1),), float("nan"), device=device)  # freed at once
+        yield
+        return
+    mallopt(_M_PERTURB, 0x80)  # new blocks hold ~0x80 = 0x7F bytes
+    try:
+        yield
+    finally:
+        mallopt(_M_PERTURB, 0)
+
+
+_M_PERTURB = -6  # glibc's malloc.h
+
+
+@functools.cache
+def _glibc_mallopt() -> Callable[[int, int], int] | None:
+    try:
+        return ctypes.CDLL("libc.so.6").mallopt  # type: ignore[no-any-return]
+    except (OSError, AttributeError):
+        return None

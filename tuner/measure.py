@@ -11,7 +11,7 @@ from typing import Any, Protocol
 from moetune.runtime.kernels.base import MoEFn, params_key
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
-from moetune.tuner.gate import poison_allocator, relative_error, tolerance
+from moetune.tuner.gate import poisoned_allocations, relative_error, tolerance
 from moetune.tuner.inputs import Routing, make_batch, make_weights
 from moetune.tuner.timing import Timing, time_op
 
@@ -90,8 +90,9 @@ class Measurer:
         start = time.perf_counter()
         try:
             fn = self._prepare(kernel, params)
-            poison_allocator(self.device, self.reference.numel() * 4 * 4)
-            error = relative_error(fn(*self.check.args()), self.reference)
+            with poisoned_allocations(self.device, self.reference.numel() * 4 * 4):
+                out = fn(*self.check.args())
+            error = relative_error(out, self.reference)
         except Exception as e:  # a candidate that raises is a recorded failure, not a crash
             return Result(kernel, params, Status.FAILED, reason=describe_exception(e),
                           first_call_s=time.perf_counter() - start)
