@@ -21,17 +21,21 @@ class MergeConflict:
     bucket: dict[str, Any]
     kernel_a: str
     kernel_b: str
-    median_us_a: float
-    median_us_b: float
+    median_us_a: float | None
+    median_us_b: float | None
     winner: str  # "a" or "b"
     reason: str
 
     def __str__(self) -> str:
         shape = " ".join(f"{k}={v}" for k, v in self.bucket.items())
         return (
-            f"{self.sku['name']} {shape}: a={self.kernel_a} {self.median_us_a:.2f}us, "
-            f"b={self.kernel_b} {self.median_us_b:.2f}us -> {self.winner} ({self.reason})"
+            f"{self.sku['name']} {shape}: a={self.kernel_a} {_us(self.median_us_a)}, "
+            f"b={self.kernel_b} {_us(self.median_us_b)} -> {self.winner} ({self.reason})"
         )
+
+
+def _us(value: float | None) -> str:
+    return "no time" if value is None else f"{value:.2f}us"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,6 +64,8 @@ def merge_tables(a: str | Path, b: str | Path, out: str | Path) -> MergeReport:
     e.g. when ``b`` was exported from ``a``, are not duplicated). Where both have a winner for
     the same (SKU, bucket), one rule decides, in this order:
 
+    0. *Measured beats imported*: a winner a tuning run measured beats one imported from vLLM
+       or aiter files; between two imports without both times, the newer import wins.
     1. *Statistical tie, newer run wins*: if the two runs started at different times and each
        median lies within the other's ``[p20_us, p80_us]``, the winner from the run that
        started later wins. The times cannot tell the two apart, and the newer run measured
@@ -111,6 +117,11 @@ def _choose(a: _Candidate, b: _Candidate) -> tuple[_Candidate, str | None]:
     same = (wa.kernel, wa.params, wa.median_us, wa.p20_us, wa.p80_us)
     if same == (wb.kernel, wb.params, wb.median_us, wb.p20_us, wb.p80_us):
         return a, None
+    if (wa.source == "measured") != (wb.source == "measured"):
+        return (a if wa.source == "measured" else b), "measured here beats imported"
+    if wa.median_us is None or wb.median_us is None or wa.p20_us is None or wb.p20_us is None:
+        newer = b if b.started_at > a.started_at else a
+        return newer, "no times to compare; newer import"
     tied = wa.p20_us <= wb.median_us <= wa.p80_us and wb.p20_us <= wa.median_us <= wb.p80_us
     if tied and a.started_at != b.started_at:
         newer = a if a.started_at > b.started_at else b

@@ -9,7 +9,7 @@ import enum
 from typing import Annotated
 
 import sqlalchemy
-from sqlalchemy import DateTime, ForeignKey, MetaData, Text, UniqueConstraint
+from sqlalchemy import DateTime, ForeignKey, MetaData, String, Text, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
 
 # Every constraint gets a deterministic name: SQLite batch migrations ("move and copy") and
@@ -166,6 +166,10 @@ class Measurement(Base):
     bucket: Mapped[BucketRow] = relationship()
 
 
+#: Where a winner row came from: a tuning run's measurement, or an import.
+WINNER_SOURCES = ("measured", "vllm-json", "aiter-csv")
+
+
 class WinnerRow(Base):
     """The fastest correct kernel of one bucket on one SKU, next to the baseline it beat."""
 
@@ -177,14 +181,17 @@ class WinnerRow(Base):
     bucket_id: Mapped[bucket_fk]
     kernel: Mapped[str]
     params: Mapped[json_text]
-    median_us: Mapped[float]
-    p20_us: Mapped[float]
-    p80_us: Mapped[float]
+    #: One of ``WINNER_SOURCES``. Imported rows have no baseline time or speedup, and rows
+    #: from vLLM files no time at all.
+    source: Mapped[str] = mapped_column(String(16), server_default="measured")
+    median_us: Mapped[float | None]
+    p20_us: Mapped[float | None]
+    p80_us: Mapped[float | None]
     error: Mapped[float | None]
     baseline_kernel: Mapped[str]
     baseline_params: Mapped[json_text]
-    baseline_us: Mapped[float]
-    speedup: Mapped[float]
+    baseline_us: Mapped[float | None]
+    speedup: Mapped[float | None]
     run_id: Mapped[run_fk]
     updated_at: Mapped[utc_time]
 

@@ -27,21 +27,26 @@ from moetune.db._models import (
 
 @dataclasses.dataclass(frozen=True)
 class WinnerRecord:
-    """One winner with its SKU and bucket spelled out (``bucket`` has the 10 key columns)."""
+    """One winner with its SKU and bucket spelled out (``bucket`` has the 10 key columns).
+
+    ``source`` is ``measured`` for tuning results; imported rows (``vllm-json``, ``aiter-csv``)
+    have no baseline time or speedup, and rows from vLLM files no time at all.
+    """
 
     sku: dict[str, Any]
     bucket: dict[str, Any]
     kernel: str
     params: dict[str, Any]
-    median_us: float
-    p20_us: float
-    p80_us: float
+    median_us: float | None
+    p20_us: float | None
+    p80_us: float | None
     error: float | None
     baseline_kernel: str
     baseline_params: dict[str, Any]
-    baseline_us: float
-    speedup: float
+    baseline_us: float | None
+    speedup: float | None
     run_id: int
+    source: str = "measured"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,6 +113,7 @@ def read_winners(path: str | Path) -> TableSnapshot:
                 baseline_us=winner.baseline_us,
                 speedup=winner.speedup,
                 run_id=winner.run_id,
+                source=winner.source,
             ))
         revision = table.revision
     return TableSnapshot(path, revision, skus, environment, rows, bad_rows)

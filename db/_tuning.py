@@ -23,6 +23,7 @@ from moetune.db._models import (
     MeasurementStatus,
     RunStatus,
     SkuRow,
+    WINNER_SOURCES,
     TuningRun,
     WinnerRow,
 )
@@ -179,40 +180,50 @@ def set_winner(
     run: TuningRun,
     kernel: str,
     params: dict[str, Any],
-    median_us: float,
-    p20_us: float,
-    p80_us: float,
+    median_us: float | None,
+    p20_us: float | None,
+    p80_us: float | None,
     error: float | None,
     baseline_kernel: str,
     baseline_params: dict[str, Any],
-    baseline_us: float,
+    baseline_us: float | None,
+    source: str = "measured",
 ) -> WinnerRow:
     """Insert or replace the winner of (sku, bucket); ``speedup = baseline_us / median_us``.
 
     The replacement is unconditional: deciding that a new result beats the stored one is the
-    tuner's job (or ``merge_tables``'s), not storage's.
+    tuner's job (or ``merge_tables``'s), not storage's. A ``measured`` winner has both times;
+    an imported one (``vllm-json``, ``aiter-csv``) has no baseline time, and may have no time.
 
     Raises:
-        ValueError: If ``median_us`` or ``baseline_us`` is not a positive finite time.
+        ValueError: An unknown ``source``, a time that is not positive and finite, or a
+            measured winner without its times.
     """
+    if source not in WINNER_SOURCES:
+        raise ValueError(f"winner {kernel}: source {source!r} not in {list(WINNER_SOURCES)}")
+    required = ("median_us", "baseline_us") if source == "measured" else ()
     for name, value in (("median_us", median_us), ("baseline_us", baseline_us)):
-        if not (math.isfinite(value) and value > 0):
+        if value is None and name not in required:
+            continue
+        if value is None or not (math.isfinite(value) and value > 0):
             raise ValueError(f"winner {kernel}: {name} must be a positive finite time, got {value}")
+    speedup = baseline_us / median_us if median_us and baseline_us else None
     query = select(WinnerRow).filter_by(sku_id=sku.id, bucket_id=bucket.id)
     winner = session.scalars(query).one_or_none()
     if winner is None:  # placeholder values, replaced below; another writer may win the insert
         winner = _add_unique(session, WinnerRow(
-            sku_id=sku.id, bucket_id=bucket.id, kernel=kernel, params="{}", median_us=median_us,
-            p20_us=p20_us, p80_us=p80_us, baseline_kernel=baseline_kernel, baseline_params="{}",
-            baseline_us=baseline_us, speedup=1.0, run_id=run.id, updated_at=utcnow()), query)
+            sku_id=sku.id, bucket_id=bucket.id, kernel=kernel, params="{}", source=source,
+            baseline_kernel=baseline_kernel, baseline_params="{}", run_id=run.id,
+            updated_at=utcnow()), query)
     winner.kernel = kernel
     winner.params = dump_json(params)
+    winner.source = source
     winner.median_us, winner.p20_us, winner.p80_us = median_us, p20_us, p80_us
     winner.error = error
     winner.baseline_kernel = baseline_kernel
     winner.baseline_params = dump_json(baseline_params)
     winner.baseline_us = baseline_us
-    winner.speedup = baseline_us / median_us
+    winner.speedup = speedup
     winner.run_id = run.id
     winner.updated_at = utcnow()
     session.flush()

@@ -177,11 +177,12 @@ def _entries(snapshot: TableSnapshot, sku: SKU,
 def _stale_baseline(row: WinnerRecord, problem: MoEProblem, sku: SKU) -> str | None:
     """Why a tuned row no longer beats what serving runs without it, or None.
 
-    A tuned row (it has a measured error; imported rows do not) won against the rule's pick
-    of its tuning run. If the rule picks something else here (vLLM shipped a tuned file since,
-    or the table was tuned without vLLM's files), that win says nothing about today's rule.
+    A measured row won against the rule's pick of its tuning run (imported rows won nothing
+    here: they are the user's choice). If the rule picks something else here (vLLM shipped a
+    tuned file since, or the table was tuned without vLLM's files), that win says nothing
+    about today's rule.
     """
-    if row.error is None:
+    if row.source != "measured":
         return None
     rule = rule_choice(problem, sku)
     if (row.baseline_kernel, row.baseline_params) == (rule.kernel, rule.params):

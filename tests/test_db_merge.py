@@ -132,3 +132,47 @@ def test_merge_of_a_bad_input_leaves_out_untouched(tmp_path, table):
     with pytest.raises(TableError, match="bad.db: not a moetune table"):
         merge_tables(table, bad, table)
     assert table.read_bytes() == before
+
+
+def _imported(path, kernel, median, source):
+    """One import run whose row has no baseline time (and, from vLLM files, no time)."""
+    from moetune.db import (RunStatus, finish_run, get_or_create_bucket, get_or_create_sku,
+                            set_winner, start_run, write_table)
+
+    from .test_db_helpers import ENVIRONMENT, H200, bucket_key
+
+    with write_table(path) as table, table.session() as session:
+        sku_row = get_or_create_sku(session, *H200)
+        bucket = get_or_create_bucket(session, **bucket_key(num_tokens=64))
+        run = start_run(session, sku_row, ENVIRONMENT, "moetune import", None, None)
+        set_winner(session, sku_row, bucket, run, kernel, {}, median, median, median, None,
+                   kernel, {}, None, source=source)
+        finish_run(session, run, RunStatus.FINISHED)
+
+
+@pytest.mark.parametrize("imported_us,source", [(None, "vllm-json"), (1.0, "aiter-csv")])
+def test_merge_measured_beats_imported_even_faster_imported(tmp_path, imported_us, source):
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    tune(a, kernel="measured", median=10.0)
+    _imported(b, "imported", imported_us, source)  # newer, and (aiter) "faster" elsewhere
+    [conflict] = merge_tables(a, b, out).conflicts
+    assert (conflict.winner, conflict.reason) == ("a", "measured here beats imported")
+    assert _winners(out) == {("H200", 64): ("measured", 10.0)}
+    assert "no time" in str(conflict) or imported_us is not None
+
+
+def test_merge_of_two_imports_without_times_keeps_the_newer(tmp_path):
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    _imported(a, "older", None, "vllm-json")
+    _imported(b, "newer", None, "vllm-json")
+    [conflict] = merge_tables(a, b, out).conflicts
+    assert conflict.winner == "b" and _winners(out) == {("H200", 64): ("newer", None)}
+
+
+def test_a_winner_needs_a_known_source_and_a_measured_one_its_times(tmp_path):
+    with pytest.raises(ValueError, match="source 'guess'"):
+        _imported(tmp_path / "a.db", "k", None, "guess")
+    from moetune.db import set_winner
+    with pytest.raises(ValueError, match="median_us must be a positive finite time"):
+        set_winner(None, None, None, None, "k", {}, None, None, None, 1e-3, "rule", {}, 10.0)
+    assert not (tmp_path / "a.db").exists()  # the failed write left nothing behind

@@ -60,18 +60,37 @@ def test_new_table_is_created_and_stamped_head(tmp_path):
     assert read_winners(path).rows == []
 
 
+# (sku, num_tokens, kernel, median_us, speedup, source) of every winner of each committed asset,
+# as a table of the head schema reads them.
+ASSET_ROWS = {
+    "table_0001_initial": [
+        ("H200", 1, "triton", 5.0, 1.2, "measured"),
+        ("H200", 64, "grouped_mm", 20.0, 1.5, "measured"),
+        ("MI300X", 64, "aiter", 15.0, 1.0, "measured"),
+    ],
+    # vLLM's Mixtral H200 file (0001 stored 1e9 us placeholders) and aiter CSV rows.
+    "table_0001_imports": [("H200", m, "aiter_triton", None, None, "vllm-json") for m in (
+        1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096)] + [
+        ("MI308X", 512, "aiter_fused_moe", 641.9044, None, "aiter-csv"),
+        ("MI308X", 4, "aiter_fused_moe", 32.7866, None, "aiter-csv")],
+}
+
+
+def test_every_committed_asset_has_its_expected_rows():
+    assert set(ASSET_ROWS) == {p.stem for p in ASSETS.glob("table_*.db")}
+
+
 @pytest.mark.parametrize("asset", sorted(ASSETS.glob("table_*.db")), ids=lambda p: p.stem)
 def test_committed_old_tables_upgrade_and_keep_their_rows(tmp_path, asset):
     path = tmp_path / asset.name
     shutil.copyfile(asset, path)
-    expected = [
-        ("H200", 1, "triton", 1.2), ("H200", 64, "grouped_mm", 1.5), ("MI300X", 64, "aiter", 1.0),
-    ]
+    expected = ASSET_ROWS[asset.stem]
 
     def summary():
         snapshot = read_winners(path)
         assert snapshot.bad_rows == []
-        return [(r.sku["name"], r.bucket["num_tokens"], r.kernel, r.speedup) for r in snapshot.rows]
+        return [(r.sku["name"], r.bucket["num_tokens"], r.kernel, r.median_us, r.speedup,
+                 r.source) for r in snapshot.rows]
 
     assert summary() == expected  # read-only: upgraded in memory, file untouched
     assert path.read_bytes() == asset.read_bytes()
@@ -187,3 +206,17 @@ def test_db_imports_no_torch_and_no_upper_layer():
         "assert not bad, bad\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_winner_source_downgrade_restores_the_0001_placeholders(tmp_path):
+    """0002 can be undone: imports get their 1e9 us placeholder and self-baseline back."""
+    path = tmp_path / "imports.db"
+    shutil.copyfile(ASSETS / "table_0001_imports.db", path)
+    with open_table(path, writable=True):
+        pass  # upgraded to head in place
+    command.downgrade(alembic_config(path), "0001_initial")
+    assert schema_revision(path) == "0001_initial"
+    with sqlite3.connect(path) as connection:
+        rows = connection.execute("SELECT median_us, baseline_us, speedup FROM winner").fetchall()
+    assert rows[:18] == [(1e9, 1e9, 1.0)] * 18
+    assert rows[18:] == [(641.9044, 641.9044, 1.0), (32.7866, 32.7866, 1.0)]

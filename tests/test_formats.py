@@ -138,7 +138,8 @@ def test_vllm_round_trip_gives_the_same_files(triton_table, tmp_path):
     assert report.written == 3 and not report.skipped
     rows = db.read_winners(tmp_path / "imported.db").rows
     assert {r.kernel for r in rows} == {"aiter_triton"}
-    assert all(r.median_us == formats_vllm.UNMEASURED_US and r.speedup == 1 for r in rows)
+    assert all(r.median_us is None and r.speedup is None and r.source == "vllm-json"
+               for r in rows)
     assert {(r.sku["name"], r.sku["arch"]) for r in rows} == {("H200", "sm_90")}
     formats_vllm.export_vllm(tmp_path / "imported.db", second)
     for path in first.iterdir():
@@ -156,8 +157,9 @@ def test_vllm_import_into_a_tuned_table_keeps_measured_winners(triton_table, tmp
     snapshot = db.read_winners(triton_table)
     assert len(snapshot.skus) == 1  # the file's H200 is the table's H200
     by_m = {(r.bucket["hidden_size"], r.bucket["num_tokens"]): r for r in snapshot.rows}
-    assert by_m[(4096, 1)].median_us == 30.0  # measured beats unmeasured
-    assert by_m[(4096, 2048)].median_us == formats_vllm.UNMEASURED_US  # new bucket added
+    assert by_m[(4096, 1)].median_us == 30.0  # measured beats imported
+    assert by_m[(4096, 2048)].source == "vllm-json"  # new bucket added, without a time
+    assert by_m[(4096, 2048)].median_us is None
 
 
 def test_vllm_import_needs_hidden_and_topk():
@@ -198,7 +200,8 @@ def test_aiter_import_of_the_shipped_csv(tmp_path):
         ("MI308X", "gfx942", 80), ("MI355X", "gfx950", 256)}
     row = snapshot.rows[0]
     assert row.kernel == "aiter_fused_moe" and row.params["block_size_M"] in (16, 32, 64, 128)
-    assert row.baseline_params == {"block_size_M": 0} and row.speedup == 1
+    assert row.baseline_params == {"block_size_M": 0} and row.baseline_us is None
+    assert row.source == "aiter-csv" and row.median_us > 0 and row.speedup is None
 
 
 @needs_aiter_csv
@@ -293,3 +296,26 @@ def test_cli_bad_import_is_one_error_line(tmp_path, content, message):
                                       "--hidden", "4096", "--topk", "2"])
     assert result.exit_code == 1
     assert message in result.output and "Traceback" not in result.output
+
+
+def test_imported_vllm_rows_show_no_invented_times(tmp_path):
+    """What vLLM files lack (times, a measured baseline) reads as missing, not as numbers."""
+    from moetune.runtime.dispatcher import Dispatcher
+    from moetune.runtime.platform import SKU, Vendor
+    from moetune.runtime.vllm_configs import shipped_folder
+    from moetune.tuner import report
+
+    folder = shipped_folder()
+    if folder is None:
+        pytest.skip("vLLM is not installed (its tuned files are the input here)")
+    table = tmp_path / "vllm.db"
+    formats_vllm.import_vllm(folder / "E=8,N=14336,device_name=NVIDIA_H200.json", table,
+                             formats_vllm.shape_hints(preset_name="mixtral-8x7b"))
+    shown = CliRunner().invoke(app, ["show", str(table)])
+    assert shown.exit_code == 0 and "1000000000" not in shown.output and " - " in shown.output
+    h200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)
+    dispatcher = Dispatcher.load(table, h200, check_environment=False)
+    problem = MoEProblem(100, 4096, 14336, 8, 2)
+    pick = dispatcher.select(problem)
+    assert pick.source == "table" and pick.median_us is None  # imported rows still serve
+    assert "imported: no speedup measured" in report.lookup_text(problem, dispatcher, pick)

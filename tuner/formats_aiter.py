@@ -156,7 +156,7 @@ def row_winner(row: dict[str, str]) -> ImportedWinner | str:
     if why:
         return f"{KERNEL}: {why}"
     return ImportedWinner(sku, problem, KERNEL, {"block_size_M": ints["block_m"]}, us,
-                          baseline_params={"block_size_M": 0})
+                          "aiter-csv", baseline_params={"block_size_M": 0})
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -165,7 +165,7 @@ class _Pick:
     key: tuple[str, ...]
     num_tokens: int
     block_m: int
-    median_us: float
+    median_us: float | None
 
 
 def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatReport:
@@ -204,7 +204,8 @@ def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatR
             report.skip(f"no row in {base.name} for the key: aiter chose its kernels by "
                         "heuristic, which a CSV row cannot express")
             continue
-        rows.append({**known, "block_m": str(pick.block_m), "us": repr(pick.median_us),
+        us = "" if pick.median_us is None else repr(pick.median_us)
+        rows.append({**known, "block_m": str(pick.block_m), "us": us,
                      "us1": "", "err1": "", "us2": "", "err2": "", "tflops": "", "bw": ""})
     _write_csv(Path(output), rows)
     report.written = len(rows)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import math
 import enum
 import tempfile
 from pathlib import Path
@@ -86,14 +87,16 @@ class FormatReport:
 
 @dataclasses.dataclass(frozen=True)
 class ImportedWinner:
-    """One foreign row as a moetune winner. The source has no baseline, so the winner is its own
-    (same time, speedup 1): with ``baseline_params`` for the pick the source makes by default."""
+    """One foreign row as a moetune winner. The source measured no baseline: the row records
+    the pick the source makes by default (``baseline_params``, else its own) without a time,
+    and no time at all when the source has none (vLLM files)."""
 
     sku: SKU
     problem: MoEProblem
     kernel: str
     params: dict[str, Any]
-    median_us: float
+    median_us: float | None
+    source: str
     baseline_params: dict[str, Any] | None = None
 
     def key(self) -> tuple[tuple[str, str, str], MoEProblem]:
@@ -107,9 +110,13 @@ def keep_fastest(winners: list[ImportedWinner], report: FormatReport) -> list[Im
         old = best.get(w.key())
         if old is not None:
             report.skip("duplicate (device, bucket) after mapping; kept the faster")
-        if old is None or w.median_us < old.median_us:
+        if old is None or _time(w) < _time(old):
             best[w.key()] = w
     return list(best.values())
+
+
+def _time(w: ImportedWinner) -> float:
+    return math.inf if w.median_us is None else w.median_us
 
 
 def write_winners(winners: list[ImportedWinner], output: Path, source: str,
@@ -155,6 +162,6 @@ def _write(winners: list[ImportedWinner], path: Path, env: dict[str, Any], comma
             bucket = db.get_or_create_bucket(s, **w.problem.to_row())
             baseline = w.params if w.baseline_params is None else w.baseline_params
             db.set_winner(s, sku_row, bucket, run, w.kernel, w.params, w.median_us, w.median_us,
-                          w.median_us, None, w.kernel, baseline, w.median_us)
+                          w.median_us, None, w.kernel, baseline, None, source=w.source)
         for _, run in runs.values():
             db.finish_run(s, run, db.RunStatus.FINISHED)

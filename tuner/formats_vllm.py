@@ -13,9 +13,8 @@ then runs for both GEMMs (the report counts them). Other winners are skipped and
 Import: the name gives E, N, the device and the fp8 family; hidden size and topk it lacks come
 from ``ShapeHints`` (``--hidden``/``--topk`` or ``--preset``), as do the choices the name leaves
 open (bf16 or fp16, per-tensor or per-channel fp8, activation, router weight on input). Each
-entry becomes an ``aiter_triton`` winner. The files carry no times, and a winner needs one:
-imported winners have ``median_us = UNMEASURED_US`` (1e9 us, and are their own baseline), so
-any measured winner beats them in ``merge`` while the dispatcher still uses them.
+entry becomes an ``aiter_triton`` winner of source ``vllm-json``, without a time: any measured
+winner beats it in ``merge``, while the dispatcher still uses it.
 """
 
 from __future__ import annotations
@@ -39,8 +38,6 @@ from moetune.runtime.vllm_configs import (
 from moetune.tuner.formats_io import FormatReport, ImportedWinner, keep_fastest, write_winners
 from moetune.tuner.presets import preset
 
-#: The placeholder time of an imported, unmeasured winner: loses to any measurement.
-UNMEASURED_US = 1e9
 KERNEL = "aiter_triton"
 _SPLIT_NAMES = frozenset(f"{g}{n}" for g in ("g1_", "g2_") for n in SPACE)
 # Arch by SKU name: what a file name cannot say; --arch covers the rest.
@@ -208,7 +205,7 @@ def import_vllm(source: Path, output: Path, hints: ShapeHints) -> FormatReport:
                             f"table records {overrides['triton']}")
     merged = write_winners(winners, Path(output), str(source), overrides)
     report.written = len(winners)
-    report.notes.append(f"times unknown: winners stored at {UNMEASURED_US:g} us (any measured "
+    report.notes.append("vLLM files carry no times: winners stored without one (any measured "
                         "winner replaces them in a merge)")
     if merged is not None:
         report.notes.append(f"merged into the existing table ({len(merged.conflicts)} conflicts)")
@@ -255,7 +252,7 @@ def _read_file(path: Path, hints: ShapeHints, report: FormatReport,
                                  hints.router_weight_on_input)
         except InvalidProblemError as e:
             raise MoetuneError(f"{path}: {e}") from None
-        winners.append(ImportedWinner(sku, problem, KERNEL, params, UNMEASURED_US))
+        winners.append(ImportedWinner(sku, problem, KERNEL, params, None, "vllm-json"))
     if dropped:
         report.notes.append(f"{path.name}: dropped {', '.join(sorted(dropped))} (no such "
                             f"{KERNEL} parameter)")

@@ -24,7 +24,8 @@ def winner_dicts(snapshot: db.TableSnapshot) -> list[dict[str, Any]]:
                      "kernel": r.kernel, "params": r.params, "median_us": r.median_us,
                      "p20_us": r.p20_us, "p80_us": r.p80_us, "error": r.error,
                      "baseline_kernel": r.baseline_kernel, "baseline_params": r.baseline_params,
-                     "baseline_us": r.baseline_us, "speedup": r.speedup, "run_id": r.run_id})
+                     "baseline_us": r.baseline_us, "speedup": r.speedup, "run_id": r.run_id,
+                     "source": r.source})
     return rows
 
 
@@ -38,8 +39,8 @@ def winners_table(snapshot: db.TableSnapshot) -> Table:
     for r in sorted(snapshot.rows, key=lambda r: (_shape_label(r.bucket), r.bucket["num_tokens"])):
         table.add_row(_shape_label(r.bucket), str(r.bucket["num_tokens"]), r.kernel,
                       json.dumps(r.params, sort_keys=True) if r.params else "-",
-                      f"{r.median_us:.1f}", r.baseline_kernel, f"{r.baseline_us:.1f}",
-                      f"{r.speedup:.2f}x", f"{r.error:.1e}" if r.error is not None else "-")
+                      _num(r.median_us, ".1f"), r.baseline_kernel, _num(r.baseline_us, ".1f"),
+                      _num(r.speedup, ".2f", "x"), _num(r.error, ".1e"))
     for bad in snapshot.bad_rows:
         table.add_row("[red]rejected[/red]", "", bad, "", "", "", "", "", "")
     return table
@@ -49,6 +50,11 @@ def _shape_label(b: dict[str, Any]) -> str:
     return (f"H{b['hidden_size']} I{b['intermediate_size']} E{b['num_experts']} "
             f"k{b['topk']} {b['dtype']} {b['quant']} {b['activation']}"
             f"{'' if b['gated'] else ' ungated'}{' tkw-in' if b['router_weight_on_input'] else ''}")
+
+
+def _num(value: float | None, spec: str, unit: str = "") -> str:
+    """A table cell: ``-`` where an imported row has no such number."""
+    return "-" if value is None else f"{value:{spec}}{unit}"
 
 
 def outcome_line(o: BucketOutcome) -> str:
@@ -76,7 +82,9 @@ def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, s: Selection) -> st
              f"pick:    {s.kernel} {json.dumps(s.params) if s.params else ''}",
              f"source:  {s.source}", f"why:     {s.reason}"]
     if s.source == "table":
-        lines.append(f"tuned:   {s.median_us:.1f}us, {s.speedup:.2f}x over the rule")
+        lines.append(f"tuned:   {s.median_us:.1f}us, {s.speedup:.2f}x over the rule"
+                     if s.median_us is not None and s.speedup is not None else
+                     f"tuned:   {_num(s.median_us, '.1f', 'us')} (imported: no speedup measured)")
     return "\n".join(lines)
 
 
