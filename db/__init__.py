@@ -21,6 +21,7 @@ from moetune.db._models import (
 )
 from moetune.db._read import TableSnapshot, WinnerRecord, read_measurements, read_winners
 from moetune.db._schema import HEAD_REVISION, alembic_config, is_url, schema_revision
+from moetune.db._server import display_url
 from moetune.db._tuning import (
     add_measurement,
     finish_run,
@@ -47,6 +48,7 @@ __all__ = [
     "WinnerRecord",
     "WinnerRow",
     "add_measurement",
+    "display_url",
     "dump_json",
     "alembic_config",
     "export_sqlite",

@@ -126,3 +126,12 @@ def test_a_row_another_job_inserted_first_is_reused_not_duplicated(new_database)
                 a.commit()
                 thread.join(timeout=30)
         assert b_ids == [a_id]
+
+
+def test_database_passwords_stay_out_of_the_table(new_database, monkeypatch):
+    url = new_database("secret").replace("postgres@", "postgres:hunter2@")  # trust: not checked
+    monkeypatch.setattr("sys.argv", ["moetune", "tune", "--output", url, "--trials", "3"])
+    assert _tune(url, (2,)) == [None]
+    with db.open_table(url) as table, table.session() as s:
+        (command,) = [r.command for r in s.query(db.TuningRun)]
+    assert "hunter2" not in command and "postgres:***@" in command

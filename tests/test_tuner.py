@@ -328,3 +328,31 @@ def test_compile_workers_default_to_half_the_cores_on_cuda_only(monkeypatch):
     monkeypatch.setattr(os, "cpu_count", lambda: 2)
     assert JobOptions(device="cuda").compilers == 0  # one worker would only add a process
     assert JobOptions(device="cuda", compile_workers=3).compilers == 3
+
+
+def test_a_job_on_several_devices_tunes_every_bucket_once_into_one_table(tmp_path, cpu_sku):
+    """Buckets go to whichever device is free; the table gets each once, from one run."""
+    problems = [MoEProblem(m, 64, 96, 8, 2, dtype="float32") for m in (1, 2, 4, 8, 16, 24)]
+    import threading
+
+    lanes = []
+    outcomes = run_job(problems, tmp_path / "t.db", cpu_sku,
+                       JobOptions(device="cpu", devices=("cpu", "cpu"), trials=3, reps=2),
+                       on_bucket=lambda o: lanes.append(threading.current_thread().name))
+    assert [o.problem for o in outcomes] == problems and [o.error for o in outcomes] == [None] * 6
+    assert len(lanes) == 6 and len(set(lanes)) == 2  # both devices took buckets
+    assert {o.device for o in outcomes} == {"cpu"}
+    snapshot = db.read_winners(tmp_path / "t.db")
+    assert sorted(r.bucket["num_tokens"] for r in snapshot.rows) == [1, 2, 4, 8, 16, 24]
+    assert {r.run_id for r in snapshot.rows} == {1}
+    assert len(db.read_measurements(tmp_path / "t.db")) == sum(o.measured for o in outcomes)
+
+
+def test_gpus_needs_cuda_and_that_many_gpus():
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    result = CliRunner().invoke(app, ["tune", "--output", "x.db", "--preset", "tiny",
+                                      "--device", "cpu", "--gpus", "2"])
+    assert result.exit_code == 1 and "--gpus needs --device cuda" in result.output

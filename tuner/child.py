@@ -100,3 +100,12 @@ def context_healthy(device: str) -> bool:
         return True
     except RuntimeError:
         return False
+
+
+def use_device(device: str) -> None:
+    """Make ``device`` (``cuda:1``) the current GPU of this process: streams, CUDA graphs and
+    Triton launches go to the current device, whatever device the tensors were made on."""
+    if device.startswith("cuda:"):
+        import torch
+
+        torch.cuda.set_device(torch.device(device))

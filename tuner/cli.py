@@ -17,7 +17,7 @@ from rich.progress import Progress
 from moetune import db
 from moetune.errors import MoetuneError
 from moetune.runtime.dispatcher import Dispatcher, shipped_table
-from moetune.runtime.platform import detect_sku
+from moetune.runtime.platform import SKU, detect_sku
 from moetune.runtime.registry import default_registry
 from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
@@ -93,6 +93,9 @@ def tune(
     isolate: Annotated[Optional[bool], typer.Option(
         "--isolate/--no-isolate", help="Measure in a restartable worker process "
         "(default: on for CUDA)")] = None,
+    gpus: Annotated[int, typer.Option(
+        min=1, help="Tune buckets in parallel on this many GPUs of this host (cuda:0 ... "
+        "cuda:N-1, the same model), one bucket per GPU at a time")] = 1,
     compile_workers: Annotated[Optional[int], typer.Option(
         min=0, help="Processes compiling Triton candidates ahead of timing, in parallel "
         "(0: compile while timing; default: half the CPU cores, at most 8, on CUDA)")] = None,
@@ -113,14 +116,19 @@ def tune(
     dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
     opts = JobOptions(device=dev, trials=trials, seed=seed, routing=routing, reps=reps,
                       optuna_storage=optuna_storage, isolate=isolate,
-                      compile_workers=compile_workers)
-    out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {output}")
+                      compile_workers=compile_workers, devices=_gpus(gpus, dev, sku))
+    shown = db.display_url(output) if db.is_url(output) else output
+    out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {shown}")
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("", total=trials)
 
         def on_bucket(o: BucketOutcome) -> None:
-            progress.reset(task, total=trials)
+            if not opts.devices:  # one bucket at a time: a bar per bucket
+                progress.reset(task, total=trials)
             out.print(report.outcome_line(o), highlight=False)
+
+        if opts.devices:
+            progress.reset(task, total=trials * len(problems))
 
         def on_trial() -> None:
             progress.advance(task)
@@ -131,6 +139,29 @@ def tune(
     failed = [o for o in outcomes if o.error]
     if failed:
         raise MoetuneError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
+
+
+def _gpus(count: int, device: str, sku: SKU) -> tuple[str, ...]:
+    """``cuda:0`` ... for ``--gpus``; () for one.
+
+    Raises:
+        MoetuneError: not CUDA, fewer GPUs than asked, or GPUs of other models (one table is
+            for one SKU).
+    """
+    if count == 1:
+        return ()
+    if device != "cuda":
+        raise MoetuneError("--gpus needs --device cuda")
+    import torch
+
+    if torch.cuda.device_count() < count:
+        raise MoetuneError(f"--gpus {count}: this host has {torch.cuda.device_count()} GPUs")
+    devices = tuple(f"cuda:{i}" for i in range(count))
+    others = [d for d in devices if not detect_sku(d).matches(sku)]
+    if others:
+        raise MoetuneError(f"--gpus {count}: {', '.join(others)} are not {sku.label()}; a table "
+                           "is for one GPU model")
+    return devices
 
 
 @app.command()

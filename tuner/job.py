@@ -6,10 +6,13 @@ leaves a valid table with the buckets it finished, and a rerun skips what it alr
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
+import queue
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable, Iterable
@@ -38,9 +41,17 @@ class JobOptions:
     #: Measure in a restartable child process (default on CUDA, where a bad kernel can
     #: poison the context for every later candidate).
     isolate: bool | None = None
-    #: Children compiling JIT candidates ahead of timing; None: half the cores (at most 8) on
-    #: CUDA when that is at least 2, none on CPU (nothing there compiles per config).
+    #: Children compiling JIT candidates ahead of timing, per device; None: half the cores (at
+    #: most 8) shared by the devices, on CUDA, when each gets at least 2; none on CPU (nothing
+    #: there compiles per config).
     compile_workers: int | None = None
+    #: Tune buckets in parallel, one at a time on each of these devices (``cuda:0``, ``cuda:1``,
+    #: ...); empty: on ``device`` alone.
+    devices: tuple[str, ...] = ()
+
+    @property
+    def lanes(self) -> tuple[str, ...]:
+        return self.devices or (self.device,)
 
     @property
     def isolated(self) -> bool:
@@ -48,9 +59,10 @@ class JobOptions:
 
     @property
     def compilers(self) -> int:
+        """Compile workers of each device."""
         if self.compile_workers is not None:
             return self.compile_workers
-        workers = min(8, (os.cpu_count() or 2) // 2)
+        workers = min(8, (os.cpu_count() or 2) // 2) // len(self.lanes)
         return workers if workers >= 2 and self.device.startswith("cuda") else 0  # 1 = serial
 
 
@@ -61,6 +73,8 @@ class BucketOutcome:
     measured: int
     reused: int
     error: str | None = None
+    #: The device that tuned it, when the job ran on several.
+    device: str = ""
     #: Wall seconds of the bucket by phase: ``setup`` (inputs in the workers), ``compile_ahead``,
     #: ``first_calls`` (prepare + gate), ``timing``, ``confirm``, and ``total``.
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -76,6 +90,11 @@ def source_commit() -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+def _command_line() -> str:
+    """The command that runs, as provenance: database URLs in it lose their passwords."""
+    return " ".join(db.display_url(a) if db.is_url(a) else a for a in sys.argv)
+
+
 def _sku_row(session: object, sku: SKU) -> db.SkuRow:
     return db.get_or_create_sku(session, vendor=sku.vendor.value, name=sku.name, arch=sku.arch,
                                 compute_units=sku.compute_units, memory_bytes=sku.memory_bytes)
@@ -87,41 +106,71 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
             on_trial: Callable[[], None] | None = None) -> list[BucketOutcome]:
     """Tune every problem (already bucketed) and write winners to ``output``.
 
-    A bucket whose baseline fails is reported in its outcome and the job goes on; the run is
-    marked failed if any bucket failed.
+    With several ``opts.devices`` each takes the next bucket when it is done with one; writes
+    to ``output`` are serialized. A bucket whose baseline fails is reported in its outcome and
+    the job goes on; the run is marked failed if any bucket failed.
     """
     with db.write_table(output) as table, table.session() as s:
         run_id = db.start_run(s, _sku_row(s, sku), environment=environment(),
-                              command=" ".join(sys.argv), commit=source_commit(),
+                              command=_command_line(), commit=source_commit(),
                               driver=environment().get("cuda") or environment().get("hip")).id
-    outcomes = []
     problems = list(problems)
-    worker = IsolatedMeasurer(problems[0], opts.device, registry, routing=opts.routing,
-                              seed=opts.seed, reps=opts.reps) if opts.isolated and problems else None
-    pool = CompilePool(problems[0], opts.device, registry, workers=opts.compilers,
-                       routing=opts.routing, seed=opts.seed) if opts.compilers and problems else None
-    try:
-        for problem in problems:
-            outcome = _tune_bucket(problem, output, sku, opts, registry, run_id, on_trial, worker,
-                                   pool)
-            outcomes.append(outcome)
-            if on_bucket:
-                on_bucket(outcome)
-    finally:
-        for child in (worker, pool):
-            if child is not None:
-                child.close()
-    status = db.RunStatus.FAILED if any(o.error for o in outcomes) else db.RunStatus.FINISHED
+    outcomes: list[BucketOutcome | None] = [None] * len(problems)
+    todo: queue.SimpleQueue[int] = queue.SimpleQueue()
+    for i in range(len(problems)):
+        todo.put(i)
+    writing = threading.Lock()
+
+    def lane(device: str) -> None:
+        worker = IsolatedMeasurer(problems[0], device, registry, routing=opts.routing,
+                                  seed=opts.seed, reps=opts.reps) if opts.isolated else None
+        pool = CompilePool(problems[0], device, registry, workers=opts.compilers,
+                           routing=opts.routing, seed=opts.seed) if opts.compilers else None
+        try:
+            while True:
+                try:
+                    i = todo.get_nowait()
+                except queue.Empty:
+                    return
+                outcome = _tune_bucket(problems[i], output, sku, opts, registry, run_id, on_trial,
+                                       _Lane(device if opts.devices else "", worker, pool, writing))
+                outcomes[i] = outcome
+                if on_bucket:
+                    on_bucket(outcome)
+        finally:
+            for child in (worker, pool):
+                if child is not None:
+                    child.close()
+
+    if problems:
+        with concurrent.futures.ThreadPoolExecutor(len(opts.lanes)) as ex:
+            for done in [ex.submit(lane, device) for device in opts.lanes]:
+                done.result()
+    finished = [o for o in outcomes if o is not None]
+    status = db.RunStatus.FAILED if any(o.error for o in finished) else db.RunStatus.FINISHED
     with db.write_table(output) as table, table.session() as s:
         db.finish_run(s, s.get(db.TuningRun, run_id), status)
-    return outcomes
+    return finished
+
+
+@dataclasses.dataclass(frozen=True)
+class _Lane:
+    """Where a bucket is tuned: the device (named when the job has several), its measuring
+    child and compile pool (reused across buckets), and the lock that serializes writes."""
+
+    device: str
+    worker: IsolatedMeasurer | None
+    pool: CompilePool | None
+    writing: threading.Lock
 
 
 def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOptions,
                  registry: Registry, run_id: int, on_trial: Callable[[], None] | None,
-                 worker: IsolatedMeasurer | None, pool: CompilePool | None) -> BucketOutcome:
+                 lane: _Lane) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
-    known = _known_results(output, sku, problem)
+    worker, pool = lane.worker, lane.pool
+    with lane.writing:
+        known = _known_results(output, sku, problem)
     start = time.perf_counter()
     compiled_before = pool.seconds if pool else 0.0
     try:
@@ -129,8 +178,8 @@ def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOpt
             worker.switch(problem)
         if pool:
             pool.switch(problem)
-        measurer = worker or Measurer(problem, opts.device, registry, routing=opts.routing,
-                                      seed=opts.seed, reps=opts.reps)
+        measurer = worker or Measurer(problem, lane.device or opts.device, registry,
+                                      routing=opts.routing, seed=opts.seed, reps=opts.reps)
         searching = time.perf_counter()
         results = search(problem, sku, measurer, candidates, trials=opts.trials, seed=opts.seed,
                          known=known, storage=opts.optuna_storage, compiler=pool,
@@ -138,7 +187,7 @@ def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOpt
         confirming = time.perf_counter()
         decision = confirm(problem, sku, measurer, results)
     except (TuningError, RuntimeError) as e:
-        return BucketOutcome(problem, None, 0, len(known), str(e))
+        return BucketOutcome(problem, None, 0, len(known), str(e), device=lane.device)
     fresh = [r for k, r in results.items() if k not in known]
     end = time.perf_counter()
     seconds = {"setup": searching - start,
@@ -146,7 +195,7 @@ def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOpt
                "first_calls": sum(r.first_call_s for r in fresh),
                "timing": sum(r.timing_s for r in fresh),
                "confirm": end - confirming, "total": end - start}
-    with db.write_table(output) as table, table.session() as s:
+    with lane.writing, db.write_table(output) as table, table.session() as s:
         run = s.get(db.TuningRun, run_id)
         bucket = db.get_or_create_bucket(s, **problem.to_row())
         for r in fresh:
@@ -159,7 +208,8 @@ def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOpt
         db.set_winner(s, _sku_row(s, sku), bucket, run, w.kernel, w.params, wt.median_us,
                       wt.p20_us, wt.p80_us, w.error, decision.baseline.kernel,
                       decision.baseline.params, bt.median_us)
-    return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds)
+    return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds,
+                         device=lane.device)
 
 
 def _known_results(output: Path | str, sku: SKU, problem: MoEProblem) -> dict[Key, Result]:

@@ -20,7 +20,7 @@ import torch
 
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
-from moetune.tuner.child import Child, StartFailed, context_healthy
+from moetune.tuner.child import Child, StartFailed, context_healthy, use_device
 from moetune.tuner.inputs import Routing, make_batch, make_weights
 from moetune.tuner.measure import describe_exception
 
@@ -34,6 +34,7 @@ def _serve(conn: Connection, problem: MoEProblem, device: str, paths: dict[str, 
     def inputs_for(p: MoEProblem) -> tuple[Any, Any]:
         return make_weights(p, device, seed), make_batch(p, device, seed + 1, routing)
 
+    use_device(device)
     weights, batch = inputs_for(problem)
     conn.send("ready")
     while True:

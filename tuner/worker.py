@@ -12,7 +12,7 @@ from typing import Any
 
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
-from moetune.tuner.child import Child, Died, context_healthy
+from moetune.tuner.child import Child, Died, context_healthy, use_device
 from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Measurer, Result, Status
 from moetune.tuner.timing import Timing
@@ -23,6 +23,7 @@ def _serve(conn: Connection, problem: MoEProblem, device: str, paths: dict[str, 
     def measurer_for(p: MoEProblem) -> Measurer:
         return Measurer(p, device, Registry(paths), routing=routing, seed=seed, reps=reps)
 
+    use_device(device)
     measurer = measurer_for(problem)
     conn.send("ready")
     while True:
