@@ -6,7 +6,7 @@ layer. The code lives in the private modules; this module only re-exports.
 """
 
 from moetune.db._copy import export_sqlite
-from moetune.db._files import TableFile, open_table, write_table
+from moetune.db._files import TableFile, claim_in, open_table, write_table
 from moetune.db._jsontext import dump_json, load_json
 from moetune.db._merge import MergeConflict, MergeReport, merge_tables
 from moetune.db._models import (
@@ -51,6 +51,7 @@ __all__ = [
     "display_url",
     "dump_json",
     "alembic_config",
+    "claim_in",
     "export_sqlite",
     "finish_run",
     "get_or_create_bucket",

@@ -34,7 +34,7 @@ from moetune.db._schema import (
     sqlite_url,
     upgrade_schema,
 )
-from moetune.db._server import display_url, open_server_table
+from moetune.db._server import claim, display_url, open_server_table
 from moetune.errors import TableError
 
 
@@ -234,3 +234,18 @@ def _fsync(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+@contextlib.contextmanager
+def claim_in(path: str | Path, name: str) -> Iterator[bool]:
+    """``_server.claim`` on the table at ``path``: whether this job may work on ``name`` now.
+    Table files are written by one job at a time, so there the answer is always yes.
+
+    Raises:
+        TableError: the server table cannot be opened.
+    """
+    if not is_url(path):
+        yield True
+        return
+    with open_table(path, writable=True) as table, claim(table.engine, name) as mine:
+        yield mine

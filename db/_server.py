@@ -4,12 +4,17 @@ into one database at once, and ``export`` makes the SQLite file that ships.
 A server table is the same schema as a table file, migrated by the same Alembic scripts. It is
 never half-written for the same reason a file is not: the tuner publishes each bucket in one
 session, and a session is one transaction. Creating and upgrading the schema take an advisory
-lock, so jobs that start together do not race to create it.
+lock, so jobs that start together do not race to create it. A job claims each bucket while it
+tunes it (``claim``), so jobs given the same buckets share them out instead of doubling work.
 """
+
+import contextlib
+import hashlib
+from collections.abc import Iterator
 
 from alembic import command
 from alembic.runtime.migration import MigrationContext
-from sqlalchemy import Connection, Engine, inspect
+from sqlalchemy import Connection, Engine, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
@@ -86,3 +91,25 @@ def _ready(connection: Connection, shown: str, writable: bool) -> None:
             raise TableError(f"{shown}: schema {heads[0]!r} is older than {HEAD_REVISION!r}; "
                              "open it for writing (tune or import into it) to upgrade it")
         command.upgrade(alembic_config(connection=connection), "head")
+
+
+@contextlib.contextmanager
+def claim(engine: Engine, name: str) -> Iterator[bool]:
+    """Hold the claim ``name`` for the block if no other connection holds it: yields whether
+    this job has it. A PostgreSQL session advisory lock: a job that dies loses its claims.
+    Other databases have one writer at a time, so the claim is always granted."""
+    if engine.dialect.name != "postgresql":
+        yield True
+        return
+    key = int.from_bytes(hashlib.blake2b(name.encode(), digest_size=8).digest(), "big",
+                         signed=True)
+    with engine.connect() as connection:
+        mine = bool(connection.execute(text("SELECT pg_try_advisory_lock(:k)"), {"k": key})
+                    .scalar())
+        connection.commit()  # the lock outlives the transaction; nothing else to keep open
+        try:
+            yield mine
+        finally:
+            if mine:
+                connection.execute(text("SELECT pg_advisory_unlock(:k)"), {"k": key})
+                connection.commit()

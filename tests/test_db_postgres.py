@@ -135,3 +135,20 @@ def test_database_passwords_stay_out_of_the_table(new_database, monkeypatch):
     with db.open_table(url) as table, table.session() as s:
         (command,) = [r.command for r in s.query(db.TuningRun)]
     assert "hunter2" not in command and "postgres:***@" in command
+
+
+def test_a_bucket_another_job_is_tuning_is_left_to_it(new_database, cpu_sku):
+    """Jobs on several hosts can all be given every bucket: each tunes the ones nobody holds."""
+    from moetune.tuner.job import claim_bucket
+
+    url = new_database("claims")
+    one, eight = (MoEProblem(m, **SHAPE) for m in (1, 8))
+    opts = JobOptions(device="cpu", trials=3, reps=2)
+    with claim_bucket(url, cpu_sku, eight) as held:  # another job is tuning bucket 8
+        assert held
+        first = run_job([one, eight], url, cpu_sku, opts)
+    assert first[0].decision is not None and first[1].skipped == "another job is tuning it"
+    assert [r.bucket["num_tokens"] for r in db.read_winners(url).rows] == [1]
+    second = run_job([eight], url, cpu_sku, opts)  # the claim is gone with its holder
+    assert second[0].skipped is None and second[0].decision is not None
+    assert sorted(r.bucket["num_tokens"] for r in db.read_winners(url).rows) == [1, 8]

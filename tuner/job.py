@@ -7,6 +7,7 @@ leaves a valid table with the buckets it finished, and a rerun skips what it alr
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
 import queue
@@ -75,6 +76,8 @@ class BucketOutcome:
     error: str | None = None
     #: The device that tuned it, when the job ran on several.
     device: str = ""
+    #: Why the bucket was left alone (another job on the same database was tuning it).
+    skipped: str | None = None
     #: Wall seconds of the bucket by phase: ``setup`` (inputs in the workers), ``compile_ahead``,
     #: ``first_calls`` (prepare + gate), ``timing``, ``confirm``, and ``total``.
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
@@ -164,9 +167,27 @@ class _Lane:
     writing: threading.Lock
 
 
+def claim_bucket(output: Path | str, sku: SKU,
+                 problem: MoEProblem) -> contextlib.AbstractContextManager[bool]:
+    """The claim a job holds on ``problem``'s bucket of ``sku`` in ``output`` while tuning it:
+    jobs on several hosts given the same buckets (one database) share them out this way."""
+    name = f"moetune bucket {sku.vendor.value}:{sku.name}:{sku.arch} {problem.describe()}"
+    return db.claim_in(output, name)
+
+
 def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOptions,
                  registry: Registry, run_id: int, on_trial: Callable[[], None] | None,
                  lane: _Lane) -> BucketOutcome:
+    with claim_bucket(output, sku, problem) as mine:
+        if not mine:
+            return BucketOutcome(problem, None, 0, 0, device=lane.device,
+                                 skipped="another job is tuning it")
+        return _tune_claimed(problem, output, sku, opts, registry, run_id, on_trial, lane)
+
+
+def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOptions,
+                  registry: Registry, run_id: int, on_trial: Callable[[], None] | None,
+                  lane: _Lane) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     worker, pool = lane.worker, lane.pool
     with lane.writing:

@@ -59,6 +59,8 @@ def _num(value: float | None, spec: str, unit: str = "") -> str:
 
 def outcome_line(o: BucketOutcome) -> str:
     head = f"M={o.problem.num_tokens:<5}" + (f" [{o.device}]" if o.device else "")
+    if o.skipped:
+        return f"{head} skipped: {o.skipped}"
     if o.decision is None:
         return f"{head} [red]failed[/red]: {o.error}"
     d = o.decision
