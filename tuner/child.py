@@ -71,8 +71,14 @@ class Child:
             self.restarts += 1
         parent, child = self._ctx.Pipe()
         self._proc = self._ctx.Process(target=self.target, args=(child, *self.args), daemon=True)
-        self._proc.start()
-        child.close()
+        try:
+            self._proc.start()
+        except (OSError, RuntimeError) as e:  # no process (limits, or spawned from a bootstrap)
+            self._proc = None
+            parent.close()
+            return StartFailed(f"worker failed to start ({e})")
+        finally:
+            child.close()
         self._conn = parent
         try:
             if parent.poll(self.timeout) and parent.recv() == "ready":

@@ -56,6 +56,11 @@ class JobOptions:
 
     @property
     def isolated(self) -> bool:
+        """Measure in child processes: by default on CUDA, and always on several devices
+        (kernels are not all safe to run from two threads of one process; vLLM's CPU kernel
+        is not)."""
+        if self.devices:
+            return True
         return self.device.startswith("cuda") if self.isolate is None else self.isolate
 
     @property
