@@ -356,3 +356,14 @@ def test_gpus_needs_cuda_and_that_many_gpus():
     result = CliRunner().invoke(app, ["tune", "--output", "x.db", "--preset", "tiny",
                                       "--device", "cpu", "--gpus", "2"])
     assert result.exit_code == 1 and "--gpus needs --device cuda" in result.output
+
+
+def test_skip_tuned_leaves_buckets_with_a_current_measured_winner(tmp_path, cpu_sku):
+    problems = [MoEProblem(m, 64, 96, 8, 2, dtype="float32") for m in (1, 8)]
+    path = tmp_path / "t.db"
+    run_job(problems[:1], path, cpu_sku, JobOptions(device="cpu", trials=3, reps=2))
+    again = run_job(problems, path, cpu_sku,
+                    JobOptions(device="cpu", trials=3, reps=2, skip_tuned=True))
+    assert again[0].skipped.startswith("already tuned (run 1: ") and again[0].measured == 0
+    assert again[1].skipped is None and again[1].decision is not None
+    assert {r.bucket["num_tokens"]: r.run_id for r in db.read_winners(path).rows} == {1: 1, 8: 2}

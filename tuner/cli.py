@@ -93,6 +93,9 @@ def tune(
     isolate: Annotated[Optional[bool], typer.Option(
         "--isolate/--no-isolate", help="Measure in a restartable worker process "
         "(default: on for CUDA)")] = None,
+    skip_tuned: Annotated[bool, typer.Option(
+        "--skip-tuned", help="Leave buckets the table already has a measured winner for (timed "
+        "against the rule as it is now)")] = False,
     gpus: Annotated[int, typer.Option(
         min=1, help="Tune buckets in parallel on this many GPUs of this host (cuda:0 ... "
         "cuda:N-1, the same model), one bucket per GPU at a time")] = 1,
@@ -116,7 +119,8 @@ def tune(
     dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
     opts = JobOptions(device=dev, trials=trials, seed=seed, routing=routing, reps=reps,
                       optuna_storage=optuna_storage, isolate=isolate,
-                      compile_workers=compile_workers, devices=_gpus(gpus, dev, sku))
+                      compile_workers=compile_workers, devices=_gpus(gpus, dev, sku),
+                      skip_tuned=skip_tuned)
     shown = db.display_url(output) if db.is_url(output) else output
     out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {shown}")
     with Progress(console=err, transient=True) as progress:

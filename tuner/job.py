@@ -23,6 +23,7 @@ from moetune.errors import TuningError
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
+from moetune.runtime.rules import rule_choice
 from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Measurer, Result, Status
 from moetune.tuner.precompile import CompilePool
@@ -49,6 +50,9 @@ class JobOptions:
     #: Tune buckets in parallel, one at a time on each of these devices (``cuda:0``, ``cuda:1``,
     #: ...); empty: on ``device`` alone.
     devices: tuple[str, ...] = ()
+    #: Leave alone buckets the table already has a measured winner for, timed against the rule
+    #: as it is now (a resumed job, or hosts that start after others finished some buckets).
+    skip_tuned: bool = False
 
     @property
     def lanes(self) -> tuple[str, ...]:
@@ -187,7 +191,26 @@ def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOpt
         if not mine:
             return BucketOutcome(problem, None, 0, 0, device=lane.device,
                                  skipped="another job is tuning it")
+        done = _current_winner(output, sku, problem) if opts.skip_tuned else None
+        if done is not None:
+            return BucketOutcome(problem, None, 0, 0, device=lane.device,
+                                 skipped=f"already tuned (run {done.run_id}: {done.kernel})")
         return _tune_claimed(problem, output, sku, opts, registry, run_id, on_trial, lane)
+
+
+def _current_winner(output: Path | str, sku: SKU, problem: MoEProblem) -> db.WinnerRecord | None:
+    """The table's measured winner for ``problem`` on ``sku`` if it was timed against the rule
+    as it is now, else None."""
+    if not db.is_url(output) and not Path(output).exists():
+        return None
+    rule = rule_choice(problem, sku)
+    here = (sku.vendor.value, sku.name, sku.arch)
+    for row in db.read_winners(output).rows:
+        if ((row.sku["vendor"], row.sku["name"], row.sku["arch"]) == here
+                and row.source == "measured" and MoEProblem.from_row(row.bucket) == problem
+                and (row.baseline_kernel, row.baseline_params) == (rule.kernel, rule.params)):
+            return row
+    return None
 
 
 def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOptions,
