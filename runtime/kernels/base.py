@@ -139,16 +139,9 @@ class BaseKernel(abc.ABC):
         """
         if not isinstance(params, dict):
             raise InvalidParamsError(f"{cls.name}: params must be an object, got {params!r}")
-        declared = {p.name: p for p in cls.params}
-        unknown = sorted(set(params) - set(declared))
-        missing = sorted(set(declared) - set(params))
-        if unknown or missing:
-            raise InvalidParamsError(
-                f"{cls.name}: unknown params {unknown}, missing params {missing}")
-        for name, value in params.items():
-            allowed = declared[name].choices + declared[name].extra
-            if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
-                raise InvalidParamsError(f"{cls.name}: {name}={value!r} not in {list(allowed)}")
+        why = invalid_params(cls.params, params)
+        if why:
+            raise InvalidParamsError(f"{cls.name}: {why}")
         return dict(params)
 
     @classmethod
@@ -161,6 +154,21 @@ class BaseKernel(abc.ABC):
     @abc.abstractmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
         """Bind weights and parameters; the returned callable is what serving runs per call."""
+
+
+def invalid_params(declared: tuple[Param, ...], params: dict[str, Any]) -> str | None:
+    """Why ``params`` do not fit ``declared`` (unknown or missing names, a value outside its
+    choices and extras), or None."""
+    by_name = {p.name: p for p in declared}
+    unknown = sorted(set(params) - set(by_name))
+    missing = sorted(set(by_name) - set(params))
+    if unknown or missing:
+        return f"unknown params {unknown}, missing params {missing}"
+    for name, value in params.items():
+        allowed = by_name[name].choices + by_name[name].extra
+        if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
+            return f"{name}={value!r} not in {list(allowed)}"
+    return None
 
 
 def params_key(params: dict[str, Any]) -> str:

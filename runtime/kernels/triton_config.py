@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from moetune.runtime.kernels.base import Param
+from moetune.runtime.kernels.base import Param, invalid_params
 from moetune.runtime.platform import SKU
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 from moetune.runtime.vllm_configs import tuned_config
@@ -138,17 +138,9 @@ def vllm_config(problem: MoEProblem, sku: SKU) -> tuple[dict[str, int], str]:
     config, path, m = tuned
     if config.get("num_ctas") == 1:  # Triton's default, which the aiter launch uses anyway
         del config["num_ctas"]
-    why = _not_a_config(config)
+    why = invalid_params(config_params(), config)
     if why:
         return vllm_default_config(problem), (f"its default config; the entry M={m} of its tuned "
                                               f"file {path.name} cannot run here ({why})")
     return config, f"its tuned config {path.name}, entry M={m}"
 
-
-def _not_a_config(config: dict[str, object]) -> str | None:
-    if set(config) != set(SPACE):
-        return f"parameters {sorted(config)}, expected {sorted(SPACE)}"
-    for name, value in config.items():
-        if value not in SPACE[name] + VLLM_FILE_EXTRA.get(name, ()):
-            return f"{name}={value!r}"
-    return None
