@@ -19,7 +19,7 @@ from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.platform import SKU, environment, environment_mismatches
 from moetune.runtime.problem import MoEProblem, Shape, nearest
 from moetune.runtime.registry import Registry, default_registry
-from moetune.runtime.rules import rule_choice
+from moetune.runtime.rules import is_rule_pick, rule_choice
 
 logger = logging.getLogger("moetune")
 
@@ -42,6 +42,9 @@ class Selection:
     bucket: int | None = None
     median_us: float | None = None
     speedup: float | None = None
+    #: The kernel and params are what the rule picks for this call: the engine's own kernel,
+    #: which serves it best (no copy, no wrapper), though the table chose it.
+    rule_pick: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,10 +130,14 @@ class Dispatcher:
             kernel = self.registry.get(chosen.selection.kernel)
             ok, not_ok = kernel.supports(problem, self.sku)
             if ok and kernel.layout is layout:
-                return chosen.selection
+                return dataclasses.replace(
+                    chosen.selection, rule_pick=is_rule_pick(chosen.selection.kernel,
+                                                             chosen.selection.params, problem,
+                                                             self.sku))
             why = not_ok or f"winner needs the {kernel.layout.value} weight layout"
         rule = rule_choice(problem, self.sku)
-        return Selection(rule.kernel, rule.params, "rule", f"{why}; {rule.reason}")
+        return Selection(rule.kernel, rule.params, "rule", f"{why}; {rule.reason}",
+                         rule_pick=True)
 
 
 def _foreign(snapshot: TableSnapshot, sku: SKU, check_environment: bool) -> str | None:

@@ -10,6 +10,7 @@ import dataclasses
 from typing import Any, Callable
 
 from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
+from moetune.runtime.kernels.base import params_key
 from moetune.runtime.kernels.triton_config import vllm_config
 from moetune.runtime.kernels.vllm_cpu_experts import VllmCpuExpertsKernel
 from moetune.runtime.platform import SKU, Vendor
@@ -69,3 +70,10 @@ RULES: dict[Vendor, Callable[[MoEProblem, SKU], RuleChoice]] = {
 def rule_choice(problem: MoEProblem, sku: SKU) -> RuleChoice:
     """The rule-based pick for ``problem`` on ``sku``."""
     return RULES[sku.vendor](problem, sku)
+
+
+def is_rule_pick(kernel: str, params: dict[str, Any], problem: MoEProblem, sku: SKU) -> bool:
+    """Whether ``kernel`` with ``params`` is what the rule picks for ``problem`` here: the
+    engine's own choice, which the engine serves best itself."""
+    rule = rule_choice(problem, sku)
+    return (kernel, params_key(params)) == (rule.kernel, params_key(rule.params))

@@ -19,7 +19,6 @@ import torch
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights, WeightLayout, params_key
 from moetune.runtime.problem import MoEProblem, Shape
-from moetune.runtime.rules import rule_choice
 from moetune.runtime.vllm_state import Outcome, PluginState, shape_label
 
 logger = logging.getLogger("moetune")
@@ -37,22 +36,12 @@ class Step:
     graph_safe: bool = False
 
 
-def is_rule_pick(selection: Any, problem: MoEProblem, sku: Any) -> bool:
-    """Whether ``selection`` is what the rule picks for ``problem``: the tuning baseline, i.e.
-    the kernel vLLM itself runs, which its own ``apply`` serves best (no copy, no wrapper)."""
-    if selection.source != "table":
-        return True
-    rule = rule_choice(problem, sku)
-    return (selection.kernel, params_key(selection.params)) == (rule.kernel,
-                                                                params_key(rule.params))
-
-
 def runs_moetune(dispatcher: Any, shape: Shape, layout: WeightLayout) -> bool:
     """Whether some bucket of ``shape`` in the table has a winner other than the rule's pick,
     i.e. whether the layer ever runs a moetune kernel (and needs weights one can run)."""
     for m in dispatcher.buckets(shape):
         problem = shape.problem(m)
-        if not is_rule_pick(dispatcher.select(problem, layout), problem, dispatcher.sku):
+        if not dispatcher.select(problem, layout).rule_pick:
             return True
     return False
 
@@ -97,7 +86,7 @@ class LayerPlan:
             return Step(None, kind, self.counts)
         if selection.bucket != bucket.num_tokens:
             self.state.record_miss(problem)  # a neighbour's winner runs; tune this bucket too
-        if is_rule_pick(selection, problem, dispatcher.sku):
+        if selection.rule_pick:
             return Step(None, Outcome.HIT, self.counts)  # the winner is vLLM's own kernel
         key = (selection.kernel, params_key(selection.params))
         if self.weights is None or key in self._broken:
