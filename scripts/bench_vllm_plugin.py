@@ -39,7 +39,7 @@ def child(model: str, out: str, compiled: bool) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    from moetune.runtime import vllm_plugin
+    from moetune.runtime import vllm as moetune_vllm
 
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=not compiled, max_model_len=256,
               gpu_memory_utilization=0.3, dtype="float32", seed=0,
@@ -59,7 +59,7 @@ def child(model: str, out: str, compiled: bool) -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:  # which ops ran, not their time
         llm.generate(prompts, params, use_tqdm=False)
     ops = {e.key: e.count for e in prof.key_averages()}
-    stats = vllm_plugin.stats()  # before hook_cost's own calls
+    stats = moetune_vllm.stats()  # before hook_cost's own calls
     cost = hook_cost(llm, prompts, params) if stats and not compiled else None
     Path(out).write_text(json.dumps({"rates": rates, "stats": stats, "ops": ops,
                                      "hook_cost": cost,
@@ -73,7 +73,7 @@ def hook_cost(llm, prompts, params) -> dict[str, float]:
     far larger than the plugin's cost; this is not."""
     from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
 
-    from moetune.runtime.vllm_hook import _MARK
+    from moetune.runtime.vllm.hook import _MARK
 
     hooked = CPUUnquantizedExperts.__dict__["apply"]
     original = getattr(hooked, _MARK)
@@ -115,12 +115,12 @@ def dispatch_overhead(table: Path, shape) -> dict[str, float]:
     the same path), as the wrapper vs. calling the no-op apply directly."""
     import torch
 
-    from moetune.runtime import vllm_hook
+    from moetune.runtime.vllm import classes, hook
     from moetune.runtime.dispatcher import Dispatcher
     from moetune.runtime.kernels.base import WeightLayout
     from moetune.runtime.platform import detect_sku
     from moetune.runtime.problem import MoEProblem
-    from moetune.runtime.vllm_state import PluginState, Settings
+    from moetune.runtime.vllm.state import PluginState, Settings
 
     n = 200_000
     dispatcher = Dispatcher.load(table, detect_sku("cpu"))
@@ -133,10 +133,10 @@ def dispatch_overhead(table: Path, shape) -> dict[str, float]:
     def noop(self, *args):
         return None
 
-    spec = vllm_hook.ExpertsSpec("bench", "Experts", WeightLayout.PLAIN, False)
+    spec = classes.ExpertsSpec("bench", "Experts", WeightLayout.PLAIN, False)
     state = PluginState(Settings(table=table))
     # A layer moetune leaves to vLLM (gelu_tanh): every call is a miss through the hook.
-    experts_cls = type("Experts", (), {"apply": vllm_hook._wrap_apply(noop, spec, state,
+    experts_cls = type("Experts", (), {"apply": hook._wrap_apply(noop, spec, state,
                                                                      lambda: False)})
     experts = experts_cls()
     experts.moe_config = SimpleNamespace(activation=SimpleNamespace(value="gelu_tanh"),

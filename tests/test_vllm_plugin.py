@@ -17,14 +17,14 @@ import pytest
 import torch
 
 from moetune.errors import TableError
-from moetune.runtime import vllm_hook, vllm_plugin
+from moetune.runtime.vllm import classes, hook, plugin
 from moetune.runtime.kernels.base import MoEWeights, WeightLayout
 from moetune.runtime.kernels.torch_grouped import TorchGroupedKernel
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem, Shape
 from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
-from moetune.runtime.vllm_state import Mode, PluginState, Settings
+from moetune.runtime.vllm.state import Mode, PluginState, Settings
 
 from tests.vllm_tables import write_winners
 
@@ -73,7 +73,7 @@ def fake_vllm(monkeypatch):
     module = types.ModuleType("fake_vllm_experts")
     module.FakeExperts = cls
     monkeypatch.setitem(sys.modules, "fake_vllm_experts", module)
-    return cls, vllm_hook.ExpertsSpec("fake_vllm_experts", "FakeExperts", WeightLayout.PLAIN, True)
+    return cls, classes.ExpertsSpec("fake_vllm_experts", "FakeExperts", WeightLayout.PLAIN, True)
 
 
 @pytest.fixture
@@ -102,7 +102,7 @@ def call(experts, layer, m, expert_map=None, on_input=False, topk=TOPK):
 
 
 def install(state, spec):
-    assert vllm_hook.install(state, (spec,)) == ["FakeExperts"]
+    assert hook.install(state, (spec,)) == ["FakeExperts"]
 
 
 def test_winner_runs_on_plain_weights_kept_at_load(fake_vllm, table):
@@ -110,7 +110,7 @@ def test_winner_runs_on_plain_weights_kept_at_load(fake_vllm, table):
     state = PluginState(Settings(table=table))
     install(state, spec)
     install(state, spec)  # idempotent: wrapped once
-    assert getattr(cls.apply, vllm_hook._MARK) is FakeExperts.apply
+    assert getattr(cls.apply, hook._MARK) is FakeExperts.apply
     experts, layer = make_layer(cls)
     for m in (1, 3, 16, 40):
         call(experts, layer, m)
@@ -163,7 +163,7 @@ def test_only_graph_safe_winners_run_during_cuda_graph_capture(fake_vllm, tmp_pa
                                                                kernel, params, vllm_calls):
     assert default_registry.get(kernel).graph_safe is (vllm_calls == 0)
     cls, spec = fake_vllm
-    monkeypatch.setattr(vllm_hook, "_capture_probe", lambda: lambda: True)  # always capturing
+    monkeypatch.setattr(hook, "_capture_probe", lambda: lambda: True)  # always capturing
     state = PluginState(Settings(table=write_winners(tmp_path / "t.db", SHAPE, (4,), kernel,
                                                      params)))
     install(state, spec)
@@ -308,20 +308,20 @@ def test_other_vllm_internals_are_refused_before_patching(fake_vllm, table):
         pass
 
     cls.apply = apply
-    with pytest.raises(vllm_hook.IncompatibleVllm, match="apply"):
-        vllm_hook.install(PluginState(Settings(table=table)), (spec,))
+    with pytest.raises(classes.IncompatibleVllm, match="apply"):
+        hook.install(PluginState(Settings(table=table)), (spec,))
     assert cls.apply is apply
-    missing = vllm_hook.ExpertsSpec("fake_vllm_experts", "Renamed", WeightLayout.PLAIN, False)
-    with pytest.raises(vllm_hook.IncompatibleVllm, match="not found"):
-        vllm_hook.install(PluginState(Settings(table=table)), (missing,))
+    missing = classes.ExpertsSpec("fake_vllm_experts", "Renamed", WeightLayout.PLAIN, False)
+    with pytest.raises(classes.IncompatibleVllm, match="not found"):
+        hook.install(PluginState(Settings(table=table)), (missing,))
 
 
 @pytest.fixture
 def fresh_plugin(monkeypatch, fake_vllm):
-    for name in list(vllm_plugin.__dict__):
+    for name in list(plugin.__dict__):
         if name in ("_STATE", "_REGISTERED"):
-            monkeypatch.setattr(vllm_plugin, name, None if name == "_STATE" else False)
-    monkeypatch.setattr(vllm_hook, "platform_specs", lambda: (fake_vllm[1],))
+            monkeypatch.setattr(plugin, name, None if name == "_STATE" else False)
+    monkeypatch.setattr(classes, "platform_specs", lambda: (fake_vllm[1],))
     for key in ("MOETUNE_MODE", "MOETUNE_TABLE", "MOETUNE_STATS", "MOETUNE_MISSES"):
         monkeypatch.delenv(key, raising=False)
     return fake_vllm[0]
@@ -329,32 +329,32 @@ def fresh_plugin(monkeypatch, fake_vllm):
 
 def test_register_is_idempotent_and_counts_are_readable(fresh_plugin, table, monkeypatch):
     monkeypatch.setenv("MOETUNE_TABLE", str(table))
-    vllm_plugin.register()
-    state = vllm_plugin._STATE
-    vllm_plugin.register()
-    assert vllm_plugin._STATE is state
+    plugin.register()
+    state = plugin._STATE
+    plugin.register()
+    assert plugin._STATE is state
     experts, layer = make_layer(fresh_plugin)
     call(experts, layer, 4)
-    counts = vllm_plugin.counters()
+    counts = plugin.counters()
     assert counts == {"H=64 I=32 E=4 topk=2 float32 none silu": {"hit": 1, "miss": 0,
                                                                    "fallback": 0}}
     counts["H=64 I=32 E=4 topk=2 float32 none silu"]["hit"] = 99  # a copy
-    assert vllm_plugin.stats()["counters"] != counts
+    assert plugin.stats()["counters"] != counts
 
 
 @pytest.mark.parametrize("mode", ["off", "no-such-mode"])
 def test_off_or_unknown_mode_hooks_nothing(fresh_plugin, monkeypatch, mode):
     monkeypatch.setenv("MOETUNE_MODE", mode)
-    vllm_plugin.register()
-    assert vllm_plugin._STATE is None and vllm_plugin.counters() == {}
-    assert not hasattr(fresh_plugin.apply, vllm_hook._MARK)
+    plugin.register()
+    assert plugin._STATE is None and plugin.counters() == {}
+    assert not hasattr(fresh_plugin.apply, hook._MARK)
 
 
 def test_strict_refuses_a_missing_table_at_register(fresh_plugin, monkeypatch, tmp_path):
     monkeypatch.setenv("MOETUNE_MODE", "strict")
     monkeypatch.setenv("MOETUNE_TABLE", str(tmp_path / "missing.db"))
     with pytest.raises(TableError, match="does not exist"):
-        vllm_plugin.register()
+        plugin.register()
 
 
 def test_stats_file_is_written_per_process(table, tmp_path):
@@ -397,15 +397,15 @@ def test_forked_worker_reports_its_own_counters(table, tmp_path):
 
 def test_unknown_vllm_internals_disable_the_plugin_with_one_warning(fresh_plugin, monkeypatch,
                                                                    caplog, table):
-    renamed = vllm_hook.ExpertsSpec("fake_vllm_experts", "Renamed", WeightLayout.PLAIN, False)
-    monkeypatch.setattr(vllm_hook, "platform_specs", lambda: (renamed,))
-    monkeypatch.setattr(vllm_plugin, "_vllm_version", lambda: "9.9.9")
+    renamed = classes.ExpertsSpec("fake_vllm_experts", "Renamed", WeightLayout.PLAIN, False)
+    monkeypatch.setattr(classes, "platform_specs", lambda: (renamed,))
+    monkeypatch.setattr(plugin, "_vllm_version", lambda: "9.9.9")
     monkeypatch.setenv("MOETUNE_TABLE", str(table))
-    vllm_plugin.register()
+    plugin.register()
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
     assert "vLLM 9.9.9" in warning.getMessage() and "Renamed" in warning.getMessage()
-    assert vllm_plugin._STATE is None and not hasattr(fresh_plugin.apply, vllm_hook._MARK)
-    monkeypatch.setattr(vllm_plugin, "_REGISTERED", False)
+    assert plugin._STATE is None and not hasattr(fresh_plugin.apply, hook._MARK)
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
     monkeypatch.setenv("MOETUNE_MODE", "strict")
     with pytest.raises(TableError, match="cannot hook vLLM 9.9.9"):
-        vllm_plugin.register()
+        plugin.register()

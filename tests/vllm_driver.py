@@ -34,7 +34,7 @@ def main(model: str, out: str, in_process: bool, compile_model: bool) -> None:
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0, max_tokens=8, logprobs=1), use_tqdm=False)
     done = time.perf_counter()
-    from moetune.runtime import vllm_plugin
+    from moetune.runtime import vllm as moetune_vllm
 
     result = {
         "pid": os.getpid(),
@@ -43,7 +43,7 @@ def main(model: str, out: str, in_process: bool, compile_model: bool) -> None:
                      for o in outputs],
         "startup_s": ready - started,
         "generate_s": done - ready,
-        "driver_stats": vllm_plugin.stats(),
+        "driver_stats": moetune_vllm.stats(),
     }
     with open(out, "w", encoding="utf-8") as f:
         json.dump(result, f)

@@ -15,74 +15,31 @@ prepare and finalize steps, which stay vLLM's. Dispatch is two-level, as DESIGN.
   num_tokens through the dispatcher, then a dict lookup. The choice depends on num_tokens only;
   while a CUDA graph is captured, winners that are not ``graph_safe`` give way to vLLM's kernel.
   Where Dynamo traces the experts (vLLM on the CPU), layers that run a moetune kernel for some
-  num_tokens become one opaque op (``vllm_op``); the others trace vLLM's own ``apply``, as if
+  num_tokens become one opaque op (``op``); the others trace vLLM's own ``apply``, as if
   moetune were not there (those calls are not counted).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import inspect
 import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from moetune.runtime import vllm_op
-from moetune.runtime.kernels.base import MoEWeights, WeightLayout
-from moetune.runtime.problem import Activation, DType, QuantScheme, Shape
-from moetune.runtime.vllm_layer import LayerPlan, runs_moetune
-from moetune.runtime.vllm_state import Mode, PluginState
+from moetune.runtime.kernels.base import MoEWeights
+from moetune.runtime.vllm import op
+from moetune.runtime.vllm.classes import (APPLY_PARAMS, LOAD_PARAMS, ExpertsSpec, IncompatibleVllm,
+                                          check_method)
+from moetune.runtime.vllm.describe import describe
+from moetune.runtime.vllm.layer import LayerPlan, runs_moetune
+from moetune.runtime.vllm.state import Mode, PluginState
 
 logger = logging.getLogger("moetune")
 
 _MARK = "__moetune_original__"
 _PROBE = "__moetune_capturing__"
 _ATTR = "_moetune_layer"
-_EXPERTS = "vllm.model_executor.layers.fused_moe.experts."
-_APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
-                 "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
-                 "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input")
-_LOAD_PARAMS = ("self", "layer")
-_DTYPES = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
-           torch.bfloat16: DType.BFLOAT16}
-#: vLLM ``MoEActivation`` value -> (activation, gated).
-_ACTIVATIONS = {"silu": (Activation.SILU, True), "gelu": (Activation.GELU, True),
-                "silu_no_mul": (Activation.SILU, False), "gelu_no_mul": (Activation.GELU, False)}
-
-
-class IncompatibleVllm(Exception):
-    """vLLM's internals differ from what this module knows; the plugin disables itself."""
-
-
-@dataclasses.dataclass(frozen=True)
-class ExpertsSpec:
-    """One vLLM experts class moetune hooks, and what its weights look like after loading."""
-
-    module: str
-    name: str
-    layout: WeightLayout
-    copy_at_load: bool  # vLLM repacks the weights: keep a plain copy before it does
-
-
-CPU_SPECS = (ExpertsSpec(_EXPERTS + "cpu_moe", "CPUUnquantizedExperts", WeightLayout.PLAIN, True),)
-CUDA_SPECS = (ExpertsSpec(_EXPERTS + "triton_moe", "TritonExperts", WeightLayout.PLAIN, False),)
-ROCM_SPECS = (ExpertsSpec(_EXPERTS + "rocm_aiter_moe", "AiterExperts",
-                          WeightLayout.AITER_SHUFFLED, False),) + CUDA_SPECS
-
-
-def platform_specs() -> tuple[ExpertsSpec, ...]:
-    """The experts classes vLLM picks on this platform for unquantized MoE."""
-    from vllm.platforms import current_platform
-
-    if current_platform.is_cpu():
-        return CPU_SPECS
-    if current_platform.is_rocm():
-        return ROCM_SPECS
-    if current_platform.is_cuda():
-        return CUDA_SPECS
-    raise IncompatibleVllm(f"no MoE hook for platform {type(current_platform).__name__}")
 
 
 def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
@@ -100,12 +57,12 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
             cls = getattr(importlib.import_module(spec.module), spec.name)
         except (ImportError, AttributeError) as e:
             raise IncompatibleVllm(f"{spec.module}.{spec.name} not found ({e})") from e
-        _check(cls, "apply", _APPLY_PARAMS)
+        check_method(cls, "apply", APPLY_PARAMS, _MARK)
         if spec.copy_at_load:
-            _check(cls, "process_weights_after_loading", _LOAD_PARAMS)
+            check_method(cls, "process_weights_after_loading", LOAD_PARAMS, _MARK)
         found.append((cls, spec))
     capturing = _capture_probe()
-    vllm_op.ensure_registered()
+    op.ensure_registered()
     for cls, spec in found:
         if not getattr(cls.__dict__["apply"], _MARK, None):
             cls.apply = _wrap_apply(cls.__dict__["apply"], spec, state, capturing)
@@ -113,16 +70,6 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
         if spec.copy_at_load and not getattr(load, _MARK, None):
             cls.process_weights_after_loading = _wrap_load(load, spec, state)
     return [cls.__name__ for cls, _ in found]
-
-
-def _check(cls: type, method: str, params: tuple[str, ...]) -> None:
-    fn = cls.__dict__.get(method)
-    fn = getattr(fn, _MARK, fn)
-    if fn is None or not callable(fn):
-        raise IncompatibleVllm(f"{cls.__name__}.{method} is not defined on the class")
-    names = tuple(inspect.signature(fn).parameters)
-    if names != params:
-        raise IncompatibleVllm(f"{cls.__name__}.{method}{names} differs from {params}")
 
 
 def _capture_probe() -> Callable[[], bool]:
@@ -136,35 +83,6 @@ def _never() -> bool:
     return False
 
 
-def _describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor,
-              on_input: bool) -> tuple[Shape | None, str]:
-    """The layer's ``Shape``, or None and the reason moetune leaves it to vLLM."""
-    cfg, qc = experts.moe_config, experts.quant_config
-    if qc.is_quantized or qc.weight_quant_dtype is not None:
-        return None, f"quantized ({qc.weight_quant_dtype})"
-    if experts.w1_bias is not None or experts.w2_bias is not None:
-        return None, "expert biases"
-    if any(getattr(qc, n, None) is not None for n in ("gemm1_alpha", "gemm1_clamp_limit")):
-        return None, "clamped or scaled swiglu"
-    act = _ACTIVATIONS.get(str(cfg.activation.value))
-    dtype = _DTYPES.get(cfg.in_dtype)
-    if act is None or dtype is None:
-        return None, f"activation {cfg.activation.value}, dtype {cfg.in_dtype}"
-    if w13.dim() != 3 or w2.dim() != 3:
-        return None, f"weights of rank {w13.dim()}/{w2.dim()}"
-    experts_n, rows, hidden = w13.shape
-    inter = rows // 2 if act[1] else rows
-    if tuple(w2.shape) != (experts_n, hidden, inter):
-        return None, f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not match"
-    try:
-        shape = Shape(hidden, inter, experts_n, int(cfg.experts_per_token), dtype,
-                      QuantScheme.NONE, act[0], act[1], bool(on_input))
-        shape.problem(1)
-    except Exception as e:  # noqa: BLE001 - a shape moetune cannot describe is not ours
-        return None, str(e)
-    return shape, ""
-
-
 def _attach(experts: Any, spec: ExpertsSpec, state: PluginState, w13: torch.Tensor,
             w2: torch.Tensor, on_input: bool, at_load: bool) -> LayerPlan:
     """Build the layer's moetune state once; anything unexpected leaves the layer to vLLM.
@@ -174,7 +92,7 @@ def _attach(experts: Any, spec: ExpertsSpec, state: PluginState, w13: torch.Tens
     """
     dispatcher = state.dispatcher()
     try:
-        shape, why = _describe(experts, w13, w2, on_input)
+        shape, why = describe(experts, w13, w2, on_input)
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
         shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
     weights = None
@@ -193,7 +111,7 @@ def _attach(experts: Any, spec: ExpertsSpec, state: PluginState, w13: torch.Tens
     # mode keeps the op: it must see every num_tokens to record the missed ones).
     layer.traced_op = (runs and weights is not None) or state.settings.mode is Mode.RECORD
     layer.activation = getattr(experts.moe_config, "activation", None)
-    layer.op_id = vllm_op.bind(layer.run_traced)
+    layer.op_id = op.bind(layer.run_traced)
     experts.__dict__[_ATTR] = layer
     return layer
 

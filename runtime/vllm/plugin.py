@@ -2,7 +2,7 @@
 
 vLLM calls ``register()`` in every process it starts (the API process, the engine core, each
 worker), possibly more than once; the second and later calls do nothing. Importing this module
-does nothing either: settings are read, and vLLM's MoE experts hooked (``vllm_hook``), inside
+does nothing either: settings are read, and vLLM's MoE experts hooked (``hook``), inside
 ``register()``; the table is read when the first MoE layer of a process needs it.
 
 Settings (environment):
@@ -44,7 +44,7 @@ def register() -> None:
         return
     _REGISTERED = True
     _ensure_log_handler()
-    from moetune.runtime.vllm_state import Mode, PluginState, Settings
+    from moetune.runtime.vllm.state import Mode, PluginState, Settings
 
     try:
         settings = Settings.from_env()
@@ -57,10 +57,10 @@ def register() -> None:
     state = PluginState(settings)
     state.check_strict()
     version = _vllm_version()
-    from moetune.runtime import vllm_hook
+    from moetune.runtime.vllm import classes, hook
 
     try:
-        hooked = vllm_hook.install(state, vllm_hook.platform_specs())
+        hooked = hook.install(state, classes.platform_specs())
     except Exception as e:  # whatever differs in vLLM, serving goes on
         if settings.mode is Mode.STRICT:
             raise TableError(f"moetune (MOETUNE_MODE=strict) refuses to start: it cannot hook "

@@ -2,7 +2,7 @@
 
 One ``PluginState`` per process, built by ``register()`` and filled lazily: the table is read
 when the first MoE layer of this process asks for it (in vLLM's worker), never at import time.
-Nothing here imports vLLM; ``vllm_hook`` is the only module that touches vLLM's internals.
+Nothing here imports vLLM.
 """
 
 from __future__ import annotations

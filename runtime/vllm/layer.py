@@ -19,7 +19,7 @@ import torch
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights, WeightLayout, params_key
 from moetune.runtime.problem import MoEProblem, Shape
-from moetune.runtime.vllm_state import Outcome, PluginState, shape_label
+from moetune.runtime.vllm.state import Outcome, PluginState, shape_label
 
 logger = logging.getLogger("moetune")
 
@@ -54,8 +54,8 @@ class LayerPlan:
                  original: Callable[..., Any], capturing: Callable[[], bool]) -> None:
         self.state, self.shape, self.weights, self.layout = state, shape, weights, layout
         self.experts, self.original, self.capturing = experts, original, capturing
-        self.op_id: int | None = None  # its index in ``vllm_op`` (the traced path)
-        self.traced_op = True  # traced calls go through ``vllm_op`` (else vLLM's own apply)
+        self.op_id: int | None = None  # its index in ``op`` (the traced path)
+        self.traced_op = True  # traced calls go through ``op`` (else vLLM's own apply)
         self.activation: Any = None  # vLLM's activation enum, passed on for traced calls
         self.counts = state.counter(shape if shape is not None else f"not handled: {why}")
         self.plan: dict[int, Step] = {}

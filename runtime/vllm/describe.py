@@ -1,0 +1,48 @@
+"""How moetune describes a vLLM MoE layer: its ``Shape``, or why it leaves the layer to vLLM.
+
+Reads the experts object's ``moe_config`` and ``quant_config`` (vLLM's ``FusedMoEConfig`` and
+``FusedMoEQuantConfig``), its biases and the weight tensors' shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetune.runtime.problem import Activation, DType, QuantScheme, Shape
+
+_DTYPES = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
+           torch.bfloat16: DType.BFLOAT16}
+#: vLLM ``MoEActivation`` value -> (activation, gated).
+_ACTIVATIONS = {"silu": (Activation.SILU, True), "gelu": (Activation.GELU, True),
+                "silu_no_mul": (Activation.SILU, False), "gelu_no_mul": (Activation.GELU, False)}
+
+
+def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor,
+             on_input: bool) -> tuple[Shape | None, str]:
+    """The layer's ``Shape``, or None and the reason moetune leaves it to vLLM."""
+    cfg, qc = experts.moe_config, experts.quant_config
+    if qc.is_quantized or qc.weight_quant_dtype is not None:
+        return None, f"quantized ({qc.weight_quant_dtype})"
+    if experts.w1_bias is not None or experts.w2_bias is not None:
+        return None, "expert biases"
+    if any(getattr(qc, n, None) is not None for n in ("gemm1_alpha", "gemm1_clamp_limit")):
+        return None, "clamped or scaled swiglu"
+    act = _ACTIVATIONS.get(str(cfg.activation.value))
+    dtype = _DTYPES.get(cfg.in_dtype)
+    if act is None or dtype is None:
+        return None, f"activation {cfg.activation.value}, dtype {cfg.in_dtype}"
+    if w13.dim() != 3 or w2.dim() != 3:
+        return None, f"weights of rank {w13.dim()}/{w2.dim()}"
+    experts_n, rows, hidden = w13.shape
+    inter = rows // 2 if act[1] else rows
+    if tuple(w2.shape) != (experts_n, hidden, inter):
+        return None, f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not match"
+    try:
+        shape = Shape(hidden, inter, experts_n, int(cfg.experts_per_token), dtype,
+                      QuantScheme.NONE, act[0], act[1], bool(on_input))
+        shape.problem(1)
+    except Exception as e:  # noqa: BLE001 - a shape moetune cannot describe is not ours
+        return None, str(e)
+    return shape, ""
