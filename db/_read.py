@@ -47,6 +47,11 @@ class WinnerRecord:
     speedup: float | None
     run_id: int
     source: str = "measured"
+    #: The rule variants timed beside the winner in its confirmation, each a dict with
+    #: ``kernel``, ``params``, ``median_us``, ``p20_us``, ``p80_us``, ``rounds``, ``ratio_lo``,
+    #: ``ratio_hi`` and ``beaten``. Empty for imported rows; rows tuned before schema 0003 have
+    #: the one baseline of the ``baseline_*`` fields (``beaten``: the winner is not it).
+    baselines: tuple[dict[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,14 +95,17 @@ def read_winners(path: str | Path) -> TableSnapshot:
             .order_by(WinnerRow.id)
         )
         for winner, sku, bucket in session.execute(query):
+            where = f"winner {winner.id} ({winner.kernel}, bucket {bucket.key()})"
             try:
                 params = load_json(winner.params)
                 baseline_params = load_json(winner.baseline_params)
             except ValueError as e:
-                bad_rows.append(
-                    f"winner {winner.id} ({winner.kernel}, bucket {bucket.key()}): "
-                    f"params are not a JSON object: {e}"
-                )
+                bad_rows.append(f"{where}: params are not a JSON object: {e}")
+                continue
+            try:
+                baselines = _baselines(winner, params, baseline_params)
+            except (ValueError, TypeError, KeyError) as e:
+                bad_rows.append(f"{where}: baselines are not a JSON list of objects: {e}")
                 continue
             rows.append(WinnerRecord(
                 sku=sku.key(),
@@ -114,9 +122,25 @@ def read_winners(path: str | Path) -> TableSnapshot:
                 speedup=winner.speedup,
                 run_id=winner.run_id,
                 source=winner.source,
+                baselines=baselines,
             ))
         revision = table.revision
     return TableSnapshot(path, revision, skus, environment, rows, bad_rows)
+
+
+def _baselines(winner: WinnerRow, params: dict[str, Any],
+               baseline_params: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The row's baselines; a row from before schema 0003 has its one ``baseline_*``."""
+    if winner.baselines is not None:
+        variants = load_json(winner.baselines)["variants"]
+        if not all(isinstance(v, dict) and isinstance(v["params"], dict) for v in variants):
+            raise ValueError("a baseline is not an object with params")
+        return tuple(variants)
+    if winner.source != "measured":
+        return ()
+    same = (winner.kernel, params) == (winner.baseline_kernel, baseline_params)
+    return ({"kernel": winner.baseline_kernel, "params": baseline_params,
+             "median_us": winner.baseline_us, "beaten": not same},)
 
 
 def read_measurements(

@@ -188,8 +188,12 @@ def set_winner(
     baseline_params: dict[str, Any],
     baseline_us: float | None,
     source: str = "measured",
+    baselines: list[dict[str, Any]] | None = None,
 ) -> WinnerRow:
     """Insert or replace the winner of (sku, bucket); ``speedup = baseline_us / median_us``.
+
+    ``baselines``: every rule variant timed beside the winner (``WinnerRecord.baselines``); the
+    ``baseline_*`` columns hold the one that was the rule where the row was tuned.
 
     The replacement is unconditional: deciding that a new result beats the stored one is the
     tuner's job (or ``merge_tables``'s), not storage's. A ``measured`` winner has both times;
@@ -224,6 +228,7 @@ def set_winner(
     winner.baseline_params = dump_json(baseline_params)
     winner.baseline_us = baseline_us
     winner.speedup = speedup
+    winner.baselines = None if baselines is None else dump_json({"variants": baselines})
     winner.run_id = run.id
     winner.updated_at = utcnow()
     session.flush()

@@ -15,7 +15,7 @@ from typing import Any
 
 from moetune.db import TableSnapshot, WinnerRecord, read_winners
 from moetune.errors import MoetuneError
-from moetune.runtime.kernels.base import WeightLayout
+from moetune.runtime.kernels.base import WeightLayout, params_key
 from moetune.runtime.platform import SKU, environment, environment_mismatches
 from moetune.runtime.problem import MoEProblem, Shape, nearest
 from moetune.runtime.registry import Registry, default_registry
@@ -155,47 +155,80 @@ def _foreign(snapshot: TableSnapshot, sku: SKU, check_environment: bool) -> str 
 
 def _entries(snapshot: TableSnapshot, sku: SKU,
              registry: Registry) -> tuple[dict[Shape, list[_Entry]], tuple[str, ...]]:
-    """Validated rows for this SKU, grouped by shape and sorted by num_tokens."""
+    """Rows this SKU can serve, grouped by shape and sorted by num_tokens; and why the others
+    cannot (rows for other SKUs are neither)."""
     entries: dict[Shape, list[_Entry]] = {}
     rejected: list[str] = []
     for row in snapshot.rows:
-        if (row.sku["vendor"], row.sku["name"], row.sku["arch"]) != (
-                sku.vendor.value, sku.name, sku.arch):
+        verdict = row_verdict(row, sku, registry)
+        if verdict.other_sku:
             continue
-        try:
-            problem = MoEProblem.from_row(row.bucket)
-            params = registry.get(row.kernel).validate(row.params)
-        except (MoetuneError, KeyError, TypeError) as e:
-            rejected.append(f"bucket {row.bucket}: {e}")
+        if verdict.selection is None:
+            rejected.append(f"bucket {row.bucket}: {verdict.reason}")
             continue
-        stale = _stale_baseline(row, problem, sku)
-        if stale:
-            rejected.append(f"bucket {row.bucket}: {stale}")
-            continue
-        selection = Selection(row.kernel, params, "table",
-                              f"table winner for bucket M={problem.num_tokens}",
-                              problem.num_tokens, row.median_us, row.speedup)
-        entries.setdefault(problem.shape, []).append(_Entry(problem.num_tokens, selection))
+        entries.setdefault(verdict.problem.shape, []).append(
+            _Entry(verdict.problem.num_tokens, verdict.selection))
     for rows in entries.values():
         rows.sort(key=lambda e: e.num_tokens)
     return entries, tuple(rejected)
 
 
-def _stale_baseline(row: WinnerRecord, problem: MoEProblem, sku: SKU) -> str | None:
-    """Why a tuned row no longer beats what serving runs without it, or None.
+@dataclasses.dataclass(frozen=True)
+class RowVerdict:
+    """Whether a table row is served on a SKU: ``selection`` is what it makes serving run, or
+    None, and ``reason`` says why (``other_sku``: the row is for another device)."""
 
-    A measured row won against the rule's pick of its tuning run (imported rows won nothing
-    here: they are the user's choice). If the rule picks something else here (vLLM shipped a
-    tuned file since, or the table was tuned without vLLM's files), that win says nothing
-    about today's rule.
+    selection: Selection | None
+    reason: str
+    problem: MoEProblem | None = None
+    other_sku: bool = False
+
+
+def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_registry) -> RowVerdict:
+    """The one check of a winner row, shared by serving, ``show``, ``merge`` and ``export``.
+
+    A row is served when its bucket and kernel are known, its params lie in the kernel's
+    declared space, and, for measured rows, today's rule here is one of the baselines it was
+    timed against: if the winner beat it the winner runs, if not the rule's pick runs. Imported
+    rows won nothing here; they are the user's choice and serve as they are.
     """
+    if (row.sku["vendor"], row.sku["name"], row.sku["arch"]) != (sku.vendor.value, sku.name,
+                                                                 sku.arch):
+        return RowVerdict(None, f"for {row.sku['vendor']}:{row.sku['name']} ({row.sku['arch']}), "
+                                f"this device is {sku.label()}", other_sku=True)
+    try:
+        problem = MoEProblem.from_row(row.bucket)
+    except (MoetuneError, KeyError, TypeError, ValueError) as e:
+        return RowVerdict(None, f"invalid bucket: {e}")
+    try:
+        kernel = registry.get(row.kernel)
+    except KeyError:
+        return RowVerdict(None, f"unknown kernel {row.kernel!r}", problem)
+    try:
+        params = kernel.validate(row.params)
+    except (MoetuneError, TypeError) as e:
+        return RowVerdict(None, f"invalid params: {e}", problem)
+    served = Selection(row.kernel, params, "table",
+                       f"table winner for bucket M={problem.num_tokens}", problem.num_tokens,
+                       row.median_us, row.speedup)
     if row.source != "measured":
-        return None
+        return RowVerdict(served, f"imported ({row.source})", problem)
     rule = rule_choice(problem, sku)
-    if (row.baseline_kernel, row.baseline_params) == (rule.kernel, rule.params):
-        return None
-    return (f"tuned against {row.baseline_kernel} {row.baseline_params}, but the rule here is "
-            f"{rule.kernel} {rule.params} ({rule.reason}): re-tune this bucket")
+    measured = next((b for b in row.baselines if (b["kernel"], params_key(b["params"]))
+                     == (rule.kernel, params_key(rule.params))), None)
+    if measured is None:
+        tried = "; ".join(f"{b['kernel']} {params_key(b['params'])}" for b in row.baselines)
+        return RowVerdict(None, f"stale: tuned against {tried or 'no baseline'}, but the rule "
+                                f"here is {rule.kernel} {params_key(rule.params)} "
+                                f"({rule.reason}): re-tune this bucket", problem)
+    if (row.kernel, params_key(params)) == (rule.kernel, params_key(rule.params)):
+        return RowVerdict(served, "the winner is today's rule's pick", problem)
+    if measured.get("beaten"):
+        return RowVerdict(served, f"beat today's rule ({rule.kernel})", problem)
+    kept = Selection(rule.kernel, rule.params, "table",
+                     f"table: the rule's pick is as fast as any candidate at M="
+                     f"{problem.num_tokens}", problem.num_tokens, measured.get("median_us"), 1.0)
+    return RowVerdict(kept, "today's rule was not beaten: the rule's pick runs", problem)
 
 
 def load_dispatcher(path: str | Path | None, sku: SKU, **kwargs: Any) -> Dispatcher:

@@ -11,7 +11,8 @@ from typing import Any, Callable
 
 from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
 from moetune.runtime.kernels.base import params_key
-from moetune.runtime.kernels.triton_config import vllm_config
+from moetune.runtime.kernels.torch_loop import TorchLoopKernel
+from moetune.runtime.kernels.triton_config import vllm_config_variants
 from moetune.runtime.kernels.vllm_cpu_experts import VllmCpuExpertsKernel
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import MoEProblem, QuantScheme
@@ -52,12 +53,17 @@ def cuda_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
     """CUDA: vLLM's Triton fused-MoE path (aiter ships the same kernel) with the config vLLM
     picks: its tuned file's entry nearest to M where vLLM has a file for the shape and GPU,
     else its default heuristic. The torch loop where that kernel cannot run, saying why."""
+    return cuda_variants(problem, sku)[0]
+
+
+def cuda_variants(problem: MoEProblem, sku: SKU) -> tuple[RuleChoice, ...]:
+    """The CUDA rule with each config vLLM may run (``vllm_config_variants``), its pick first."""
     ok, why = AiterTritonKernel.supports(problem, sku)
     if not ok:
-        return RuleChoice("torch_loop", {}, f"CUDA rule: torch loop ({why})")
-    config, source = vllm_config(problem, sku)
-    return RuleChoice("aiter_triton", config,
-                      f"CUDA rule: vLLM's fused-MoE Triton kernel with {source}")
+        return (RuleChoice("torch_loop", {}, f"CUDA rule: torch loop ({why})"),)
+    return tuple(RuleChoice("aiter_triton", config,
+                            f"CUDA rule: vLLM's fused-MoE Triton kernel with {source}")
+                 for config, source in vllm_config_variants(problem, sku))
 
 
 RULES: dict[Vendor, Callable[[MoEProblem, SKU], RuleChoice]] = {
@@ -70,6 +76,22 @@ RULES: dict[Vendor, Callable[[MoEProblem, SKU], RuleChoice]] = {
 def rule_choice(problem: MoEProblem, sku: SKU) -> RuleChoice:
     """The rule-based pick for ``problem`` on ``sku``."""
     return RULES[sku.vendor](problem, sku)
+
+
+def rule_variants(problem: MoEProblem, sku: SKU) -> tuple[RuleChoice, ...]:
+    """What serving may run for ``problem`` without a table on machines of this SKU, the
+    rule's pick here first: on CUDA each config vLLM picks with and without its tuned files;
+    on the CPU vLLM's kernel and, for machines without vLLM, the torch loop. The tuner times
+    every variant beside the winner, so a row stays valid wherever today's rule is one of them.
+    """
+    if sku.vendor is Vendor.NVIDIA:
+        return cuda_variants(problem, sku)
+    variants = [rule_choice(problem, sku)]
+    if (sku.vendor is Vendor.CPU and variants[0].kernel != "torch_loop"
+            and TorchLoopKernel.supports(problem, sku)[0]):
+        variants.append(RuleChoice("torch_loop", {}, "CPU rule without vLLM: plain torch "
+                                                     "per-expert loop"))
+    return tuple(variants)
 
 
 def is_rule_pick(kernel: str, params: dict[str, Any], problem: MoEProblem, sku: SKU) -> bool:

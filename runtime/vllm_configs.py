@@ -87,13 +87,21 @@ def vllm_device_name(vendor: str, name: str) -> tuple[str, bool]:
     return dev, guessed
 
 
-def tuned_file(problem: MoEProblem, sku: SKU) -> Path | None:
-    """The tuned config file vLLM would read for ``problem`` on ``sku``, if one exists."""
+def config_folders() -> tuple[Path, ...]:
+    """Where vLLM looks for tuned files, in its order: ``VLLM_TUNED_CONFIG_FOLDER``, then the
+    ``configs`` folder of the installed vLLM (those that exist)."""
+    user = os.environ.get("VLLM_TUNED_CONFIG_FOLDER")
+    folders = (Path(user) if user else None, shipped_folder())
+    return tuple(f for f in folders if f is not None and f.is_dir())
+
+
+def tuned_file(problem: MoEProblem, sku: SKU, folders: tuple[Path, ...] | None = None) -> Path | None:
+    """The tuned config file vLLM would read for ``problem`` on ``sku`` from ``folders``
+    (default: where vLLM looks), if one exists."""
     name = config_file_name(problem.num_experts, problem.intermediate_size,
                             vllm_device_name(sku.vendor.value, sku.name)[0], *selectors(problem))
-    user = os.environ.get("VLLM_TUNED_CONFIG_FOLDER")
-    for folder in (Path(user) if user else None, shipped_folder()):
-        if folder is not None and (folder / name).is_file():
+    for folder in config_folders() if folders is None else folders:
+        if (folder / name).is_file():
             return folder / name
     return None
 
@@ -108,10 +116,12 @@ def _entries(path: Path) -> dict[int, dict[str, Any]] | None:
         return None
 
 
-def tuned_config(problem: MoEProblem, sku: SKU) -> tuple[dict[str, Any], Path, int] | None:
-    """(config, file, entry M) vLLM runs for ``problem`` from a tuned file, or None when vLLM
-    would use its default heuristic (no file, or one it could not read either)."""
-    path = tuned_file(problem, sku)
+def tuned_config(problem: MoEProblem, sku: SKU, folders: tuple[Path, ...] | None = None
+                 ) -> tuple[dict[str, Any], Path, int] | None:
+    """(config, file, entry M) vLLM runs for ``problem`` from a tuned file in ``folders``
+    (default: where vLLM looks), or None when vLLM would use its default heuristic (no file,
+    or one it could not read either)."""
+    path = tuned_file(problem, sku, folders)
     entries = _entries(path) if path else None
     if not entries:
         return None

@@ -2,6 +2,7 @@
 
 from typing import Any
 
+import pytest
 import torch
 
 from moetune import db
@@ -9,7 +10,7 @@ from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
 from moetune.runtime.kernels.torch_dense import TorchDenseKernel
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import KERNEL_PATHS, Registry
-from moetune.runtime.rules import rule_choice
+from moetune.runtime.rules import rule_choice, rule_variants
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.measure import Measurer, Status
 from moetune.tuner.study import confirm, search
@@ -156,14 +157,18 @@ def test_isolated_worker_survives_a_candidate_that_kills_its_process(small_probl
 
 
 class ScriptedMeasurer:
-    """Re-timing answers from a script, so the confirmation rule is tested without noise."""
+    """Re-timing answers from a script, one per round, so the confirmation rule is tested
+    without real noise: ``timings[kernel]`` is a list of (median, spread), cycled."""
 
     def __init__(self, timings):
         self.timings = timings
+        self.calls = {k: 0 for k in timings}
 
     def retime(self, kernel, params, reps):
         from moetune.tuner.timing import Timing
-        median, spread = self.timings[kernel]
+        script = self.timings[kernel]
+        median, spread = script[self.calls[kernel] % len(script)]
+        self.calls[kernel] += 1
         return Timing(median, median - spread, median + spread, reps, "scripted")
 
 
@@ -178,12 +183,45 @@ def test_confirmation_gives_near_ties_to_the_baseline_and_real_wins_to_the_winne
     base = rule_choice(small_problem, cpu_sku).kernel
     results = {(base, "{}"): _ok(base, 100.0),
                ("torch_grouped", "{}"): _ok("torch_grouped", 90.0)}
+    # Faster in the median round, but slower in two of five: not a win.
     tie = confirm(small_problem, cpu_sku, ScriptedMeasurer(
-        {base: (100.0, 15.0), "torch_grouped": (90.0, 1.0)}), results)
+        {base: [(100.0, 1.0), (85.0, 1.0), (115.0, 1.0), (88.0, 1.0), (112.0, 1.0)],
+         "torch_grouped": [(90.0, 1.0)]}), results)
     assert tie.winner.kernel == base and "near-tie" in tie.reason
+    assert not tie.baseline.beaten
     win = confirm(small_problem, cpu_sku, ScriptedMeasurer(
-        {base: (100.0, 5.0), "torch_grouped": (50.0, 1.0)}), results)
+        {base: [(100.0, 5.0)], "torch_grouped": [(50.0, 1.0)]}), results)
     assert win.winner.kernel == "torch_grouped" and win.speedup == 2.0
+    assert win.baseline.beaten and win.baseline.ratio_lo == win.baseline.ratio_hi == 2.0
+
+
+@pytest.mark.parametrize("slow_rounds", [1, 2])
+def test_a_baseline_slowed_by_noise_in_some_rounds_never_makes_a_slower_winner(
+        small_problem, cpu_sku, slow_rounds):
+    """The candidate is truly 10% slower; another process makes the baseline 10-50x slower in
+    some rounds (as a busy core did to vLLM's CPU kernel): the baseline must be kept."""
+    base = rule_choice(small_problem, cpu_sku).kernel
+    results = {(base, "{}"): _ok(base, 100.0),
+               ("torch_grouped", "{}"): _ok("torch_grouped", 20.0)}  # a lucky search timing
+    noisy = [(100.0, 1.0)] * (5 - slow_rounds) + [(5000.0, 1.0), (1000.0, 1.0)][:slow_rounds]
+    decision = confirm(small_problem, cpu_sku, ScriptedMeasurer(
+        {base: noisy, "torch_grouped": [(110.0, 1.0)]}), results)
+    assert decision.winner.kernel == base
+    assert not decision.baseline.beaten
+
+
+def test_every_rule_variant_is_recorded_with_the_winners_ratio(small_problem, cpu_sku):
+    variants = rule_variants(small_problem, cpu_sku)
+    assert [v.kernel for v in variants] == ["vllm_cpu_experts", "torch_loop"] or \
+        [v.kernel for v in variants] == ["torch_loop"]
+    results = {(v.kernel, "{}"): _ok(v.kernel, 100.0) for v in variants}
+    results[("torch_grouped", "{}")] = _ok("torch_grouped", 50.0)
+    script = {v.kernel: [(100.0 * (i + 1), 1.0)] for i, v in enumerate(variants)}
+    script["torch_grouped"] = [(50.0, 1.0)]
+    decision = confirm(small_problem, cpu_sku, ScriptedMeasurer(script), results)
+    assert [b.kernel for b in decision.baselines] == [v.kernel for v in variants]
+    assert [b.ratio_lo for b in decision.baselines] == [2.0 * (i + 1) for i in range(len(variants))]
+    assert all(b.beaten and b.rounds == 5 for b in decision.baselines)
 
 
 def test_isolated_job_reuses_one_worker_across_buckets(tmp_path, cpu_sku):

@@ -23,7 +23,7 @@ from moetune.errors import TuningError
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
-from moetune.runtime.rules import rule_choice
+from moetune.runtime.dispatcher import row_verdict
 from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Measurer, Result, Status
 from moetune.tuner.precompile import CompilePool
@@ -199,16 +199,15 @@ def _tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOpt
 
 
 def _current_winner(output: Path | str, sku: SKU, problem: MoEProblem) -> db.WinnerRecord | None:
-    """The table's measured winner for ``problem`` on ``sku`` if it was timed against the rule
-    as it is now, else None."""
+    """The table's measured winner for ``problem`` on ``sku`` if serving would use it here
+    (today's rule is among the baselines it was timed against), else None."""
     if not db.is_url(output) and not Path(output).exists():
         return None
-    rule = rule_choice(problem, sku)
-    here = (sku.vendor.value, sku.name, sku.arch)
     for row in db.read_winners(output).rows:
-        if ((row.sku["vendor"], row.sku["name"], row.sku["arch"]) == here
-                and row.source == "measured" and MoEProblem.from_row(row.bucket) == problem
-                and (row.baseline_kernel, row.baseline_params) == (rule.kernel, rule.params)):
+        if row.source != "measured":
+            continue
+        verdict = row_verdict(row, sku)
+        if verdict.problem == problem and verdict.selection is not None:
             return row
     return None
 
@@ -256,7 +255,8 @@ def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOp
         w, wt, bt = decision.winner, decision.winner_timing, decision.baseline_timing
         db.set_winner(s, _sku_row(s, sku), bucket, run, w.kernel, w.params, wt.median_us,
                       wt.p20_us, wt.p80_us, w.error, decision.baseline.kernel,
-                      decision.baseline.params, bt.median_us)
+                      decision.baseline.params, bt.median_us,
+                      baselines=[b.to_row() for b in decision.baselines])
     return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds,
                          device=lane.device)
 

@@ -34,6 +34,8 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
            "Mixtral-8x7B, bf16, unsharded"),
     Preset("qwen3-30b-a3b", _shape(2048, 768, 128, 8), DEFAULT_BUCKETS,
            "Qwen3-30B-A3B, bf16, unsharded"),
+    Preset("qwen3-235b-a22b", _shape(4096, 192, 128, 8), DEFAULT_BUCKETS,
+           "Qwen3-235B-A22B, bf16, TP8 shard (I=1536/8)"),
     Preset("deepseek-v3", _shape(7168, 256, 256, 8, quant=QuantScheme.FP8_BLOCK_128X128),
            DEFAULT_BUCKETS, "DeepSeek-V3, TP8 shard (I=2048/8), fp8 block 128x128"),
     Preset("llama-4-maverick",

@@ -9,7 +9,7 @@ from typing import Any
 from moetune.runtime.kernels.base import Param, invalid_params
 from moetune.runtime.platform import SKU
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
-from moetune.runtime.vllm_configs import tuned_config
+from moetune.runtime.vllm_configs import config_folders, tuned_config
 
 #: vLLM's ``get_configs_compute_bound`` grid for CUDA (1920 points); configs export to its JSON.
 SPACE: dict[str, tuple[int, ...]] = {
@@ -131,16 +131,35 @@ def vllm_default_config(problem: MoEProblem) -> dict[str, int]:
 def vllm_config(problem: MoEProblem, sku: SKU) -> tuple[dict[str, int], str]:
     """The config vLLM runs for ``problem`` on ``sku`` (``try_get_optimal_moe_config``: its
     tuned file's nearest entry, else ``get_default_config``), and where it came from."""
-    tuned = tuned_config(problem, sku)
-    if tuned is None:
-        return vllm_default_config(problem), ("its default config (vLLM has no tuned file for "
-                                              "this shape and GPU)")
-    config, path, m = tuned
-    if config.get("num_ctas") == 1:  # Triton's default, which the aiter launch uses anyway
-        del config["num_ctas"]
-    why = invalid_params(config_params(), config)
-    if why:
-        return vllm_default_config(problem), (f"its default config; the entry M={m} of its tuned "
-                                              f"file {path.name} cannot run here ({why})")
-    return config, f"its tuned config {path.name}, entry M={m}"
+    return vllm_config_variants(problem, sku)[0]
 
+
+def vllm_config_variants(problem: MoEProblem, sku: SKU) -> list[tuple[dict[str, int], str]]:
+    """Every config vLLM may run for ``problem`` on ``sku``, depending on what the user has:
+    the tuned entry of each folder vLLM looks in (``VLLM_TUNED_CONFIG_FOLDER``, its shipped
+    ``configs``), then its default config. The first is what vLLM runs here; duplicates are
+    dropped, so a table tuned with one setup can be trusted under the others."""
+    variants: list[tuple[dict[str, int], str]] = []
+    for folder in config_folders():
+        tuned = tuned_config(problem, sku, (folder,))
+        if tuned is None:
+            continue
+        config, path, m = tuned
+        if config.get("num_ctas") == 1:  # Triton's default, which the aiter launch uses anyway
+            del config["num_ctas"]
+        why = invalid_params(config_params(), config)
+        if why:
+            if not variants:
+                variants.append((vllm_default_config(problem), (
+                    f"its default config; the entry M={m} of its tuned file {path.name} cannot "
+                    f"run here ({why})")))
+            continue
+        variants.append((config, f"its tuned config {path.name}, entry M={m}"))
+    default = vllm_default_config(problem)
+    variants.append((default, "its default config (vLLM has no tuned file for this shape and "
+                              "GPU)" if not variants else "its default config"))
+    unique: list[tuple[dict[str, int], str]] = []
+    for config, source in variants:
+        if all(config != c for c, _ in unique):
+            unique.append((config, source))
+    return unique
