@@ -36,12 +36,13 @@ def test_kernel_matches_reference(name, problem, cpu_sku):
         assert relative_error(out, ref) <= tolerance(problem), (name, params)
 
 
-def test_reference_is_not_a_candidate_and_quantized_problems_exclude_torch(cpu_sku):
+def test_reference_is_not_a_candidate_and_fp8_runs_on_the_dequantizing_torch_kernels(cpu_sku):
     p = MoEProblem(4, 128, 256, 8, 2, quant="fp8_per_tensor")
     verdicts = default_registry.eligibility(p, cpu_sku)
     assert verdicts["reference"] is None
-    assert "fp8_per_tensor" in verdicts["torch_loop"]
-    assert [k.name for k in default_registry.candidates(p, cpu_sku)] == []
+    assert "fp8_per_tensor" in verdicts["torch_dense"]
+    assert [k.name for k in default_registry.candidates(p, cpu_sku)] == ["torch_loop",
+                                                                          "torch_grouped"]
 
 
 def test_dense_kernel_refuses_many_experts(cpu_sku):

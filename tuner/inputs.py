@@ -8,7 +8,7 @@ import enum
 import torch
 
 from moetune.runtime.kernels.base import MoEWeights
-from moetune.runtime.kernels.quant import quantize_weights
+from moetune.runtime.kernels.quant import BLOCK, quantize_weights
 from moetune.runtime.problem import MoEProblem, QuantScheme
 
 
@@ -40,16 +40,32 @@ def make_weights(problem: MoEProblem, device: str, seed: int = 0) -> MoEWeights:
     """Weights scaled by 1/sqrt(fan_in) so outputs stay O(1) in every dtype.
 
     Drawn on ``device`` itself: a model's experts are gigabytes, too slow to draw on a CPU.
+    For fp8 each quantization group (expert, row or 128x128 block) is scaled by its own
+    factor first, so no two scales agree and a kernel that applies a scale to the wrong group
+    (transposed, shifted, another expert's) fails the correctness gate.
     """
     gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
     n1 = 2 * i if problem.gated else i
     w13 = torch.randn(e, n1, h, generator=gen, device=device) / h ** 0.5
     w2 = torch.randn(e, h, i, generator=gen, device=device) / i ** 0.5
+    if problem.quant.is_fp8:
+        w13, w2 = _spread_groups(w13, problem.quant, gen), _spread_groups(w2, problem.quant, gen)
     weights = quantize_weights(w13, w2, problem.quant)
     if problem.quant is QuantScheme.NONE:
         weights.w13, weights.w2 = weights.w13.to(_dtype(problem)), weights.w2.to(_dtype(problem))
     return weights
+
+
+def _spread_groups(w: torch.Tensor, scheme: QuantScheme, gen: torch.Generator) -> torch.Tensor:
+    """``w`` (E, N, K) with each of ``scheme``'s quantization groups scaled by 2**U(-2, 2)."""
+    e, n, k = w.shape
+    groups = {QuantScheme.FP8_PER_TENSOR: (e, 1, 1), QuantScheme.FP8_PER_CHANNEL: (e, n, 1),
+              QuantScheme.FP8_BLOCK_128X128: (e, -(-n // BLOCK), -(-k // BLOCK))}[scheme]
+    factor = 2.0 ** (torch.rand(groups, generator=gen, device=w.device) * 4 - 2)
+    if scheme is QuantScheme.FP8_BLOCK_128X128:
+        factor = factor.repeat_interleave(BLOCK, 1).repeat_interleave(BLOCK, 2)[:, :n, :k]
+    return w * factor
 
 
 def make_batch(problem: MoEProblem, device: str, seed: int,

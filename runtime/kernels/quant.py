@@ -36,15 +36,25 @@ def quantize_fp8(w: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, to
     raise ValueError(f"not an fp8 scheme: {scheme.value}")
 
 
-def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+def dequantize_fp8(q: torch.Tensor, scale: torch.Tensor, scheme: QuantScheme,
+                   dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q * scale`` in ``dtype``, for all experts (q: (E, N, K), scales as ``quantize_fp8``
+    returns them) or one (q: (N, K), scale: that expert's ``scale[e]``).
+
+    The product is formed in float32 and rounded to ``dtype`` once.
+    """
     w = q.float()
     if scheme is QuantScheme.FP8_PER_TENSOR:
-        return w * scale[:, None, None]
-    if scheme is QuantScheme.FP8_PER_CHANNEL:
-        return w * scale[:, :, None]
-    e, n, k = w.shape
-    full = scale.repeat_interleave(BLOCK, dim=1).repeat_interleave(BLOCK, dim=2)
-    return w * full[:, :n, :k]
+        w = w * scale.float()[..., None, None]
+    elif scheme is QuantScheme.FP8_PER_CHANNEL:
+        w = w * scale.float()[..., :, None]
+    elif scheme is QuantScheme.FP8_BLOCK_128X128:
+        n, k = w.shape[-2:]
+        full = scale.float().repeat_interleave(BLOCK, dim=-2).repeat_interleave(BLOCK, dim=-1)
+        w = w * full[..., :n, :k]
+    else:
+        raise ValueError(f"not an fp8 scheme: {scheme.value}")
+    return w.to(dtype)
 
 
 def quantize_weights(w13: torch.Tensor, w2: torch.Tensor, scheme: QuantScheme) -> MoEWeights:

@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from moetune.runtime.kernels._math import activate
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.kernels.quant import dequantize_fp8
 from moetune.runtime.platform import SKU, Vendor
-from moetune.runtime.problem import DType, MoEProblem
+from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
 
 class TorchGroupedKernel(BaseKernel):
-    """Two launches for all experts; the fastest torch path once experts see many tokens."""
+    """Two launches for all experts; the fastest torch path once experts see many tokens.
+
+    fp8 weights stay fp8 in the layer: each call dequantizes them to the activation dtype
+    first (a transient copy, W8A16), a cost the tuner weighs against the loop's per-expert one.
+    """
 
     name = "torch_grouped"
     graph_safe = False  # torch.bincount on CUDA reads the largest id back to size its output
@@ -38,9 +43,14 @@ class TorchGroupedKernel(BaseKernel):
         return None
 
     @classmethod
+    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if problem.quant is QuantScheme.NONE or sku.vendor is Vendor.CPU:
+            return None
+        return "fp8 runs dequantized per call on the CPU only (on GPUs: torch_scaled_grouped)"
+
+    @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
-        w13_t = weights.w13.transpose(1, 2)  # (E, H, 2I): grouped_mm computes x @ w per group
-        w2_t = weights.w2.transpose(1, 2)  # (E, I, H)
+        grouped = _grouped_weights(weights)
         num_experts = weights.w13.shape[0]
         on_input = problem.router_weight_on_input
 
@@ -52,6 +62,7 @@ class TorchGroupedKernel(BaseKernel):
             offsets = offsets.to(torch.int32)
             weight = topk_weights.reshape(-1)[order].unsqueeze(1)
             inp = x[order // topk]
+            w13_t, w2_t = grouped(x.dtype)
             if on_input:
                 inp = (inp * weight).to(x.dtype)
             h = activate(torch._grouped_mm(inp, w13_t, offs=offsets), problem)
@@ -63,3 +74,17 @@ class TorchGroupedKernel(BaseKernel):
             return out.view(-1, topk, x.shape[1]).sum(dim=1).to(x.dtype)
 
         return run
+
+
+def _grouped_weights(
+        weights: MoEWeights) -> Callable[[torch.dtype], tuple[torch.Tensor, torch.Tensor]]:
+    """(E, H, 2I) and (E, I, H) views, as grouped_mm computes ``x @ w`` per group; fp8
+    weights are dequantized to the requested dtype on each call."""
+    w13, w2 = weights.w13, weights.w2
+    if weights.quant is QuantScheme.NONE:
+        return lambda dtype: (w13.transpose(1, 2), w2.transpose(1, 2))
+    s13, s2, scheme = weights.w13_scale, weights.w2_scale, weights.quant
+    if s13 is None or s2 is None:
+        raise ValueError(f"{scheme.value} weights need w13_scale and w2_scale")
+    return lambda dtype: (dequantize_fp8(w13, s13, scheme, dtype).transpose(1, 2),
+                          dequantize_fp8(w2, s2, scheme, dtype).transpose(1, 2))

@@ -1,11 +1,15 @@
-"""vLLM's own CPU fused-MoE kernel (``torch.ops._C.cpu_fused_moe``), run as vLLM runs it.
+"""vLLM's own CPU fused-MoE kernels, run as vLLM runs them.
 
-This is what vLLM serves unquantized MoE with on the CPU, so it is the CPU rule's pick: every CPU
-winner is timed against it. ``prepare`` does what vLLM's ``CPUUnquantizedExperts`` does at load
-(``process_weights_after_loading``): zero-pad the intermediate size to the kernel's alignment and
-prepack both weights for the ISA vLLM picks on this machine (its experts classes, tried in vLLM's
-order: x86 AMX, Arm NEON, Power VSX, then the portable ``vec`` path). vLLM is optional: it is
-imported here, lazily, and only when a CPU problem asks.
+This is what vLLM serves MoE with on the CPU, so it is the CPU rule's pick: every CPU winner is
+timed against it. Unquantized (``torch.ops._C.cpu_fused_moe``): ``prepare`` does what vLLM's
+``CPUUnquantizedExperts`` does at load (``process_weights_after_loading``): zero-pad the
+intermediate size to the kernel's alignment and prepack both weights for the ISA vLLM picks on
+this machine (its experts classes, tried in vLLM's order: x86 AMX, Arm NEON, Power VSX, then the
+portable ``vec`` path). Block-fp8 (``fused_experts_cpu``, W8A16): what vLLM's fp8 oracle does for
+its ``CPU`` backend, ``CPUExpertsFp8``: VNNI-prepack the fp8 weights at load
+(``prepare_fp8_moe_layer_for_cpu``) and call the op with the 128x128 block scales as they are.
+vLLM has no CPU kernel for per-tensor or per-channel fp8 MoE. vLLM is optional: it is imported
+here, lazily, and only when a CPU problem asks.
 """
 
 from __future__ import annotations
@@ -20,13 +24,16 @@ import torch
 
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.platform import SKU, Vendor
-from moetune.runtime.problem import DType, MoEProblem
+from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
 _OPS = ("cpu_fused_moe", "prepack_moe_weight")
+_FP8_OPS = ("fused_experts_cpu", "convert_weight_packed")
+#: ``CPUExpertsFp8`` runs only where AMX tiles exist (its ``_supports_current_device``).
+_FP8_ISA = "amx"
 
 
 class VllmCpuExpertsKernel(BaseKernel):
-    """vLLM's C++ CPU grouped-GEMM MoE on weights prepacked as vLLM prepacks them."""
+    """vLLM's C++ CPU MoE (unquantized or block-fp8) on weights prepacked as vLLM does."""
 
     name = "vllm_cpu_experts"
 
@@ -37,6 +44,13 @@ class VllmCpuExpertsKernel(BaseKernel):
         return _vllm()[1]
 
     @classmethod
+    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if problem.quant in (QuantScheme.NONE, QuantScheme.FP8_BLOCK_128X128):
+            return None
+        return (f"vLLM has no CPU MoE kernel for {problem.quant.value} (CPUExpertsFp8 runs "
+                "fp8_block_128x128 only)")
+
+    @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
         return _experts_for(problem)[1]
 
@@ -44,13 +58,17 @@ class VllmCpuExpertsKernel(BaseKernel):
     def isa(cls, problem: MoEProblem) -> str | None:
         """The ISA vLLM's kernel runs ``problem`` with here (``vec``, ``amx``, ...), or None."""
         experts = _experts_for(problem)[0]
-        return None if experts is None else experts.isa
+        if experts is None:
+            return None
+        return _FP8_ISA if problem.quant.is_fp8 else experts.isa
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
         experts, why = _experts_for(problem)
         if experts is None:
             raise RuntimeError(f"{cls.name} cannot run {problem.describe()}: {why}")
+        if problem.quant.is_fp8:
+            return _prepare_fp8(weights)
         ops = _vllm()[0].ops
         isa = experts.isa
         inter = problem.intermediate_size
@@ -83,7 +101,32 @@ class VllmCpuExpertsKernel(BaseKernel):
         return run
 
 
+def _prepare_fp8(weights: MoEWeights) -> MoEFn:
+    """``CPUExpertsFp8``: weights VNNI-packed at load, the op called as its ``apply`` does."""
+    vllm = _vllm()[0]
+    assert weights.w13_scale is not None and weights.w2_scale is not None
+    # The packing op's schema marks its input as written (``Tensor!``): pack copies, so the
+    # caller's weights (shared by every candidate in the tuner) stay as they are.
+    w13, w2 = vllm.cpu_moe.prepare_fp8_moe_layer_for_cpu(weights.w13.clone(), weights.w2.clone())
+    s13, s2 = weights.w13_scale.float().contiguous(), weights.w2_scale.float().contiguous()
+    fused_experts = vllm.ops.fused_experts_cpu
+    method = vllm.ops.CPUQuantMethod.FP8_W8A16
+
+    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        if topk_ids.dtype != torch.int32:
+            topk_ids = topk_ids.to(torch.int32)
+        out = torch.empty_like(x)
+        fused_experts(out, x, w13, w2, topk_weights, topk_ids, method, s13, s2, None, None,
+                      [128, 128], None, None, None, None, True)
+        return out
+
+    return run
+
+
 def _experts_for(problem: MoEProblem) -> tuple[Any, str | None]:
+    if problem.quant.is_fp8:
+        return _fp8_experts_class(problem.dtype, problem.activation.value, problem.gated,
+                                  problem.router_weight_on_input)
     return _experts_class(problem.dtype, problem.activation.value, problem.gated,
                           problem.hidden_size, problem.router_weight_on_input, problem.topk)
 
@@ -116,7 +159,7 @@ def _vllm() -> tuple[SimpleNamespace | None, str | None]:
                    cpu_moe.PowerCPUUnquantizedExperts, cpu_moe.CPUUnquantizedExperts)
     except AttributeError as e:
         return None, f"vLLM's CPU experts classes differ from what moetune knows ({e})"
-    return SimpleNamespace(ops=ops, classes=classes, portable=classes[-1],
+    return SimpleNamespace(ops=ops, classes=classes, portable=classes[-1], cpu_moe=cpu_moe,
                            activation=MoEActivation, has_zentorch_op=has_zentorch_op), None
 
 
@@ -154,3 +197,32 @@ def _experts_class(dtype: DType, activation: str, gated: bool, hidden: int, on_i
     except Exception as e:  # noqa: BLE001 - vLLM internals that differ: not eligible, say why
         return None, f"vLLM's CPU experts differ from what moetune knows ({type(e).__name__}: {e})"
     return None, "no vLLM CPU experts class runs this layer: " + "; ".join(reasons)
+
+
+@functools.cache
+def _fp8_experts_class(dtype: DType, activation: str, gated: bool,
+                       on_input: bool) -> tuple[Any, str | None]:
+    """``CPUExpertsFp8`` if vLLM would run this block-fp8 layer with it here, else why not."""
+    vllm, why = _vllm()
+    if vllm is None:
+        return None, why
+    try:
+        cls, w8a8 = vllm.cpu_moe.CPUExpertsFp8, vllm.cpu_moe.CPUExpertsFp8W8A8
+        if not cls._supports_current_device():
+            return None, "vLLM's CPUExpertsFp8 needs an x86 CPU with AMX; this one has none"
+        if w8a8._supports_current_device():
+            return None, "vLLM runs CPUExpertsFp8W8A8 on this AMX-FP8 CPU, not CPUExpertsFp8"
+        missing = [op for op in _FP8_OPS if not hasattr(torch.ops._C, op)]
+        if missing:
+            return None, f"vLLM's CPU ops {', '.join(missing)} are not built for this CPU"
+        if not gated:
+            return None, "CPUExpertsFp8 runs gated (act-and-mul) layers only"
+        if on_input:
+            return None, "CPUExpertsFp8 does not apply the router weight on the input"
+        if not cls._supports_activation(vllm.activation(activation)):
+            return None, f"CPUExpertsFp8 does not run {activation}"
+        if dtype is DType.FLOAT32:
+            return None, "vLLM serves fp8 checkpoints with bfloat16 or float16 activations only"
+    except Exception as e:  # noqa: BLE001 - vLLM internals that differ: not eligible, say why
+        return None, f"vLLM's CPU fp8 experts differ from what moetune knows ({type(e).__name__}: {e})"
+    return cls, None
