@@ -65,6 +65,8 @@ class TableSnapshot:
         environment: Versions recorded by the newest run that has winners (``{}`` if none).
         rows: The winners that parsed.
         bad_rows: One reason per row that was skipped because it could not be used.
+        bad_winners: (sku, bucket, reason) of each winner row among ``bad_rows``, so serving
+            can tell which bucket lost its row.
     """
 
     path: Path | str
@@ -73,6 +75,8 @@ class TableSnapshot:
     environment: dict[str, Any]
     rows: list[WinnerRecord]
     bad_rows: list[str] = dataclasses.field(default_factory=list)
+    bad_winners: list[tuple[dict[str, Any], dict[str, Any], str]] = dataclasses.field(
+        default_factory=list)
 
 
 def read_winners(path: str | Path) -> TableSnapshot:
@@ -84,6 +88,7 @@ def read_winners(path: str | Path) -> TableSnapshot:
     """
     path = path if is_url(path) else Path(path)
     bad_rows: list[str] = []
+    bad_winners: list[tuple[dict[str, Any], dict[str, Any], str]] = []
     rows: list[WinnerRecord] = []
     with open_table(path) as table, table.session() as session:
         skus = [sku.key() for sku in session.scalars(select(SkuRow).order_by(SkuRow.id))]
@@ -100,12 +105,16 @@ def read_winners(path: str | Path) -> TableSnapshot:
                 params = load_json(winner.params)
                 baseline_params = load_json(winner.baseline_params)
             except ValueError as e:
-                bad_rows.append(f"{where}: params are not a JSON object: {e}")
+                why = f"params are not a JSON object: {e}"
+                bad_rows.append(f"{where}: {why}")
+                bad_winners.append((sku.key(), bucket.key(), why))
                 continue
             try:
                 baselines = _baselines(winner, params, baseline_params)
             except (ValueError, TypeError, KeyError) as e:
-                bad_rows.append(f"{where}: baselines are not a JSON list of objects: {e}")
+                why = f"baselines are not a JSON list of objects: {e}"
+                bad_rows.append(f"{where}: {why}")
+                bad_winners.append((sku.key(), bucket.key(), why))
                 continue
             rows.append(WinnerRecord(
                 sku=sku.key(),
@@ -125,7 +134,7 @@ def read_winners(path: str | Path) -> TableSnapshot:
                 baselines=baselines,
             ))
         revision = table.revision
-    return TableSnapshot(path, revision, skus, environment, rows, bad_rows)
+    return TableSnapshot(path, revision, skus, environment, rows, bad_rows, bad_winners)
 
 
 def _baselines(winner: WinnerRow, params: dict[str, Any],

@@ -56,6 +56,9 @@ class TableStatus:
     reason: str
     rows: int = 0
     rejected_rows: tuple[str, ...] = ()
+    #: The rejected rows of this SKU that are broken (invalid bucket, unknown kernel, invalid
+    #: or unreadable params), not merely stale: serving warns about each, ``strict`` refuses.
+    faulty_rows: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +75,13 @@ class Dispatcher:
     """
 
     def __init__(self, sku: SKU, status: TableStatus, entries: dict[Shape, list[_Entry]],
-                 registry: Registry = default_registry) -> None:
+                 registry: Registry = default_registry,
+                 faults: dict[Shape, dict[int, str]] | None = None) -> None:
         self.sku = sku
         self.status = status
         self.registry = registry
         self._entries = entries
+        self._faults = faults or {}
         self._points = {shape: [e.num_tokens for e in rows] for shape, rows in entries.items()}
         self._memo: dict[MoEProblem, Selection] = {}
 
@@ -96,11 +101,12 @@ class Dispatcher:
         reason = _foreign(snapshot, sku, check_environment)
         if reason:
             return cls(sku, TableStatus(str(path), False, reason), {}, registry)
-        entries, rejected = _entries(snapshot, sku, registry)
+        entries, rejected, faults, faulty = _entries(snapshot, sku, registry)
         rejected += tuple(snapshot.bad_rows)
         rows = sum(len(v) for v in entries.values())
-        status = TableStatus(str(path), True, f"{rows} rows for {sku.label()}", rows, rejected)
-        return cls(sku, status, entries, registry)
+        status = TableStatus(str(path), True, f"{rows} rows for {sku.label()}", rows, rejected,
+                             faulty)
+        return cls(sku, status, entries, registry, faults)
 
     def select(self, problem: MoEProblem, layout: WeightLayout = WeightLayout.PLAIN) -> Selection:
         """The kernel for ``problem``: memoized, deterministic per problem."""
@@ -117,6 +123,11 @@ class Dispatcher:
     def buckets(self, shape: Shape) -> tuple[int, ...]:
         """The num_tokens of the table's usable rows for ``shape``, ascending (empty if none)."""
         return tuple(self._points.get(shape, ()))
+
+    def faults(self, shape: Shape) -> dict[int, str]:
+        """num_tokens -> reason for the buckets of ``shape`` whose row is faulty (see
+        ``TableStatus.faulty_rows``); ``select`` ignores those rows."""
+        return dict(self._faults.get(shape, {}))
 
     def _decide(self, problem: MoEProblem, layout: WeightLayout) -> Selection:
         points = self._points.get(problem.shape)
@@ -153,24 +164,44 @@ def _foreign(snapshot: TableSnapshot, sku: SKU, check_environment: bool) -> str 
     return None
 
 
-def _entries(snapshot: TableSnapshot, sku: SKU,
-             registry: Registry) -> tuple[dict[Shape, list[_Entry]], tuple[str, ...]]:
-    """Rows this SKU can serve, grouped by shape and sorted by num_tokens; and why the others
-    cannot (rows for other SKUs are neither)."""
+def _entries(snapshot: TableSnapshot, sku: SKU, registry: Registry) -> tuple[
+        dict[Shape, list[_Entry]], tuple[str, ...], dict[Shape, dict[int, str]], tuple[str, ...]]:
+    """Rows this SKU can serve, grouped by shape and sorted by num_tokens; why the others
+    cannot (rows for other SKUs are neither); and the faulty ones among them, by bucket and
+    as messages (unreadable rows of ``snapshot.bad_winners`` included)."""
     entries: dict[Shape, list[_Entry]] = {}
     rejected: list[str] = []
+    faults: dict[Shape, dict[int, str]] = {}
+    faulty: list[str] = []
     for row in snapshot.rows:
         verdict = row_verdict(row, sku, registry)
         if verdict.other_sku:
             continue
         if verdict.selection is None:
             rejected.append(f"bucket {row.bucket}: {verdict.reason}")
+            if not verdict.stale:
+                _fault(faults, faulty, row.bucket, verdict.problem, verdict.reason)
             continue
         entries.setdefault(verdict.problem.shape, []).append(
             _Entry(verdict.problem.num_tokens, verdict.selection))
+    here = {"vendor": sku.vendor.value, "name": sku.name, "arch": sku.arch}
+    for row_sku, bucket, reason in snapshot.bad_winners:
+        if {k: row_sku[k] for k in here} == here:
+            try:
+                problem: MoEProblem | None = MoEProblem.from_row(bucket)
+            except (MoetuneError, KeyError, TypeError, ValueError):
+                problem = None
+            _fault(faults, faulty, bucket, problem, reason)
     for rows in entries.values():
         rows.sort(key=lambda e: e.num_tokens)
-    return entries, tuple(rejected)
+    return entries, tuple(rejected), faults, tuple(faulty)
+
+
+def _fault(faults: dict[Shape, dict[int, str]], faulty: list[str], bucket: dict[str, Any],
+           problem: MoEProblem | None, reason: str) -> None:
+    faulty.append(f"bucket {bucket}: {reason}")
+    if problem is not None:
+        faults.setdefault(problem.shape, {})[problem.num_tokens] = reason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -182,6 +213,8 @@ class RowVerdict:
     reason: str
     problem: MoEProblem | None = None
     other_sku: bool = False
+    #: Not served only because today's rule was not among its baselines (re-tune it).
+    stale: bool = False
 
 
 def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_registry) -> RowVerdict:
@@ -220,7 +253,7 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
         tried = "; ".join(f"{b['kernel']} {params_key(b['params'])}" for b in row.baselines)
         return RowVerdict(None, f"stale: tuned against {tried or 'no baseline'}, but the rule "
                                 f"here is {rule.kernel} {params_key(rule.params)} "
-                                f"({rule.reason}): re-tune this bucket", problem)
+                                f"({rule.reason}): re-tune this bucket", problem, stale=True)
     if (row.kernel, params_key(params)) == (rule.kernel, params_key(rule.params)):
         return RowVerdict(served, "the winner is today's rule's pick", problem)
     if measured.get("beaten"):

@@ -67,6 +67,26 @@ def test_rows_with_unknown_kernels_or_bad_params_are_rejected_not_fatal(tiny_tab
     assert d.status.usable and d.status.rows == 1 and len(d.status.rejected_rows) == 2
     assert any("gone_kernel" in r for r in d.status.rejected_rows)
     assert d.select(TINY.problem(1)).bucket == 64  # the one valid row serves the shape
+    assert d.status.faulty_rows == d.status.rejected_rows
+    faults = d.faults(TINY)
+    assert sorted(faults) == [1, 16]
+    assert "unknown kernel 'gone_kernel'" in faults[1] and "invalid params" in faults[16]
+
+
+def test_unreadable_params_are_faults_of_their_bucket_and_stale_rows_are_not(tiny_table,
+                                                                             tmp_path, cpu_sku):
+    path = tmp_path / "edited.db"
+    path.write_bytes(tiny_table.read_bytes())
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE winner SET params = '{not json' WHERE bucket_id = "
+                    "(SELECT id FROM bucket WHERE num_tokens = 16)")
+        con.execute("UPDATE winner SET baselines = NULL, source = 'measured', baseline_kernel = "
+                    "'torch_dense', baseline_params = '{\"chunk_tokens\": 8}' WHERE bucket_id = "
+                    "(SELECT id FROM bucket WHERE num_tokens = 64)")
+    d = Dispatcher.load(path, cpu_sku)
+    assert d.buckets(TINY) == (1,)
+    assert len(d.status.rejected_rows) == 2 and len(d.status.faulty_rows) == 1
+    assert list(d.faults(TINY)) == [16] and "not a JSON object" in d.faults(TINY)[16]
 
 
 def test_table_from_another_environment_is_ignored(tiny_table, tmp_path, cpu_sku):
