@@ -23,3 +23,8 @@ class InvalidParamsError(MoetuneError, ValueError):
 
 class TuningError(MoetuneError):
     """The tuner could not produce a result (no eligible kernel, baseline failed, ...)."""
+
+
+class UnsupportedModelError(MoetuneError):
+    """A model whose MoE layers use something moetune does not tune (expert biases, a clamped
+    swiglu, a quantization scheme such as mxfp4 or fp8 with 64x64 blocks)."""

@@ -98,13 +98,19 @@ def test_bad_input_gives_one_error_line_and_exit_1(tmp_path, args, message):
     assert "Traceback" not in result.output
 
 
-def test_failed_tune_leaves_existing_table_untouched(tiny_table, tmp_path):
+def test_failed_tune_leaves_existing_table_untouched(tiny_table, tmp_path, monkeypatch):
+    from moetune.runtime.kernels.torch_loop import TorchLoopKernel
+
     path = tmp_path / "t.db"
     shutil.copy(tiny_table, path)
     before = path.read_bytes()
+    # The CPU rule for fp8_per_tensor is the torch loop (vLLM has no CPU kernel for it); a
+    # loop that refuses fp8 leaves the bucket without an eligible baseline.
+    monkeypatch.setattr(TorchLoopKernel, "_supports_quant",
+                        classmethod(lambda cls, problem, sku: "refuses fp8 here"))
     result = invoke("tune", "--preset", "tiny", "--quant", "fp8_per_tensor", "--device", "cpu",
                     "--buckets", "1", "--output", path)
-    assert result.exit_code == 1  # no CPU kernel runs fp8: the baseline is not eligible
+    assert result.exit_code == 1
     assert "not eligible" in result.output
     assert len(db.read_winners(path).rows) == 3
     assert sorted(r.bucket["num_tokens"] for r in db.read_winners(path).rows) == [1, 16, 64]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from moetune.errors import MoetuneError
+from moetune.errors import MoetuneError, UnsupportedModelError
 from moetune.runtime.problem import QuantScheme
 from moetune.tuner.presets import PRESETS, shape_from_config
 from moetune.tuner.shapes import ShapeOptions, parse_buckets, problems_from_misses, resolve
@@ -85,3 +85,71 @@ def test_misses_file_is_deduplicated_and_validated(tmp_path):
     path.write_text('{"num_tokens": 1}\n')
     with pytest.raises(MoetuneError, match="misses.jsonl:1"):
         problems_from_misses(path)
+
+
+MIXTRAL = {"model_type": "mixtral", "hidden_size": 256, "intermediate_size": 512,
+           "num_local_experts": 8, "num_experts_per_tok": 2, "hidden_act": "silu"}
+GPT_OSS = {"model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+           "num_local_experts": 32, "num_experts_per_tok": 4, "hidden_act": "silu",
+           "swiglu_limit": 7.0, "quantization_config": {"quant_method": "mxfp4"}}
+
+
+def fp8(**qcfg):
+    return {**MIXTRAL, "quantization_config": {"quant_method": "fp8", **qcfg}}
+
+
+def compressed(weights, acts):
+    return {**MIXTRAL, "quantization_config": {
+        "quant_method": "compressed-tensors",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights,
+                                      "input_activations": acts}}}}
+
+
+FP8_W = {"type": "float", "num_bits": 8, "dynamic": False}
+
+
+@pytest.mark.parametrize("cfg,quant", [
+    (fp8(weight_block_size=[128, 128], activation_scheme="dynamic"), "fp8_block_128x128"),
+    (fp8(activation_scheme="dynamic"), "fp8_per_tensor"),
+    (compressed({**FP8_W, "strategy": "channel"}, {**FP8_W, "strategy": "token", "dynamic": True}),
+     "fp8_per_channel"),
+    (compressed({**FP8_W, "strategy": "tensor"}, {**FP8_W, "strategy": "tensor", "dynamic": True}),
+     "fp8_per_tensor"),
+    (compressed({**FP8_W, "strategy": "block", "block_structure": [128, 128]},
+                {**FP8_W, "strategy": "group", "group_size": 128, "dynamic": True}),
+     "fp8_block_128x128"),
+], ids=["fp8-block", "fp8-tensor", "ct-channel", "ct-tensor", "ct-block"])
+def test_fp8_configs_are_read_as_the_checkpoint_declares(tmp_path, cfg, quant):
+    assert shape_from_config(write(tmp_path, cfg)).quant.value == quant
+
+
+@pytest.mark.parametrize("cfg,named", [
+    (GPT_OSS, ["expert biases (GPT-OSS)", "clamped swiglu (swiglu_limit 7.0)",
+               "quant_method mxfp4"]),
+    (fp8(weight_block_size=[64, 64]), ["fp8 block 64x64 (weight_block_size [64, 64])"]),
+    (fp8(activation_scheme="static"), ["static activation scales (activation_scheme static)"]),
+    ({**MIXTRAL, "quantization_config": {"quant_method": "awq", "bits": 4}},
+     ["quant_method awq"]),
+    (compressed({**FP8_W, "strategy": "channel"}, None), ["fp8 weight-only"]),
+    ({**MIXTRAL, "hidden_act": "relu2"}, ["activation relu2"]),
+], ids=["gpt-oss", "fp8-64x64", "fp8-static", "awq", "ct-weight-only", "relu2"])
+def test_unsupported_models_are_refused_naming_why_and_what_is_supported(tmp_path, cfg, named):
+    with pytest.raises(UnsupportedModelError) as e:
+        shape_from_config(write(tmp_path, cfg))
+    message = str(e.value)
+    assert all(n in message for n in named), message
+    assert "Supported: unquantized; fp8 per-tensor" in message and "128x128" in message
+
+
+def test_tune_on_an_unsupported_config_is_one_error_line_and_exit_1(tmp_path):
+    from typer.testing import CliRunner
+
+    from moetune.tuner.cli import app
+
+    output = tmp_path / "t.db"
+    result = CliRunner().invoke(app, ["tune", "--config", str(write(tmp_path, GPT_OSS)),
+                                      "--output", str(output)])
+    assert result.exit_code == 1
+    (line,) = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert line.startswith("error:") and "expert biases" in line and "mxfp4" in line
+    assert not output.exists()

@@ -10,6 +10,7 @@ from typing import Any
 from moetune.errors import InvalidProblemError, MoetuneError
 from moetune.runtime.problem import (DEFAULT_BUCKETS, Activation, DType, QuantScheme, Shape,
                                      parse_enum)
+from moetune.tuner.hf_config import moe_features
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,6 +67,7 @@ def shape_from_config(path: Path, *, tp: int = 1, ep: int = 1,
 
     Raises:
         MoetuneError: unreadable file, or no MoE fields in it.
+        UnsupportedModelError: MoE layers moetune does not tune (``hf_config.moe_features``).
     """
     try:
         cfg: dict[str, Any] = json.loads(Path(path).read_text())
@@ -80,19 +82,12 @@ def shape_from_config(path: Path, *, tp: int = 1, ep: int = 1,
     if tp < 1 or ep < 1 or experts % ep or inter % tp:
         raise InvalidProblemError(
             f"cannot shard {experts} experts over ep={ep} and intermediate {inter} over tp={tp}")
-    quant = QuantScheme.NONE
-    qcfg = cfg.get("quantization_config") or {}
-    if qcfg.get("quant_method") == "fp8":
-        block = qcfg.get("weight_block_size")
-        quant = (QuantScheme.FP8_BLOCK_128X128 if block == [128, 128] else
-                 QuantScheme.FP8_PER_CHANNEL if qcfg.get("weight_scheme") == "channel" else
-                 QuantScheme.FP8_PER_TENSOR)
-    act = "gelu" if "gelu" in str(cfg.get("hidden_act", "silu")) else "silu"
+    quant, act = moe_features(cfg, path)
     # transformers 5 writes "dtype"; older versions "torch_dtype".
     torch_dtype = dtype or str(cfg.get("dtype") or cfg.get("torch_dtype") or "bfloat16")
     on_input = cfg.get("model_type") in ("llama4", "llama4_text")
     shape = Shape(cfg["hidden_size"], inter // tp, experts // ep,
                   cfg.get("num_experts_per_tok", 2), parse_enum(DType, torch_dtype), quant,
-                  parse_enum(Activation, act), True, on_input)
+                  act, True, on_input)
     shape.problem(1)
     return shape
