@@ -40,6 +40,9 @@ def make_weights(problem: MoEProblem, device: str, seed: int = 0) -> MoEWeights:
     """Weights scaled by 1/sqrt(fan_in) so outputs stay O(1) in every dtype.
 
     Drawn on ``device`` itself: a model's experts are gigabytes, too slow to draw on a CPU.
+    Drawn and quantized one expert at a time into the final tensors, and the allocator's cache
+    emptied after, so a process holds the weights alone: drawing a whole DeepSeek-V3 shard in
+    float32 and quantizing it peaked at 18 GiB, which each of the tuner's processes kept.
     For fp8 each quantization group (expert, row or 128x128 block) is scaled by its own
     factor first, so no two scales agree and a kernel that applies a scale to the wrong group
     (transposed, shifted, another expert's) fails the correctness gate.
@@ -47,8 +50,26 @@ def make_weights(problem: MoEProblem, device: str, seed: int = 0) -> MoEWeights:
     gen = torch.Generator(device=device).manual_seed(seed)
     e, h, i = problem.num_experts, problem.hidden_size, problem.intermediate_size
     n1 = 2 * i if problem.gated else i
-    w13 = torch.randn(e, n1, h, generator=gen, device=device) / h ** 0.5
-    w2 = torch.randn(e, h, i, generator=gen, device=device) / i ** 0.5
+    names = ("w13", "w2", "w13_scale", "w2_scale") if problem.quant.is_fp8 else ("w13", "w2")
+    weights = MoEWeights(torch.empty(0), torch.empty(0), problem.quant)
+    for j in range(e):
+        part = _expert(problem, (n1, h), (h, i), gen, device)
+        for name in names:
+            t = getattr(part, name)
+            if j == 0:
+                setattr(weights, name, t.new_empty((e, *t.shape[1:])))
+            getattr(weights, name)[j] = t[0]
+        del part
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+    return weights
+
+
+def _expert(problem: MoEProblem, shape13: tuple[int, int], shape2: tuple[int, int],
+            gen: torch.Generator, device: str) -> MoEWeights:
+    """One expert's weights (as a batch of one), in the problem's dtype or quant scheme."""
+    w13 = torch.randn(1, *shape13, generator=gen, device=device) / shape13[1] ** 0.5
+    w2 = torch.randn(1, *shape2, generator=gen, device=device) / shape2[1] ** 0.5
     if problem.quant.is_fp8:
         w13, w2 = _spread_groups(w13, problem.quant, gen), _spread_groups(w2, problem.quant, gen)
     weights = quantize_weights(w13, w2, problem.quant)
