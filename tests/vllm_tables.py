@@ -53,16 +53,63 @@ MODELS: dict[str, dict[str, Any]] = {
 def tiny_model(name: str, directory: Path) -> Path:
     """Save a randomly initialised float32 MoE model ``name`` (a key of ``MODELS``)."""
     import torch
-    import transformers
 
     spec = dict(MODELS[name])
-    cls = spec.pop("cls")
+    return tiny_model_from(spec.pop("cls"), spec, directory, torch.float32)
+
+
+def tiny_model_from(cls: str, spec: dict[str, Any], directory: Path, dtype: Any) -> Path:
+    """Save a randomly initialised (seed 0) ``{cls}ForCausalLM`` with ``spec`` in ``dtype``."""
+    import torch
+    import transformers
+
     config = getattr(transformers, f"{cls}Config")(
         num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, vocab_size=512,
         max_position_embeddings=512, **spec)
     torch.manual_seed(0)
-    model = getattr(transformers, f"{cls}ForCausalLM")(config).to(torch.float32)
+    model = getattr(transformers, f"{cls}ForCausalLM")(config).to(dtype)
     model.save_pretrained(directory)
+    return directory
+
+
+#: Block-fp8 Mixtral: hidden and intermediate multiples of 128, so whole 128x128 blocks.
+FP8_BLOCK_MODEL: dict[str, Any] = {"cls": "Mixtral", "hidden_size": 128, "intermediate_size": 256,
+                                   "num_local_experts": 8, "num_experts_per_tok": 2}
+
+
+def fp8_block_model(directory: Path, dtype: str = "bfloat16") -> Path:
+    """Save a random Mixtral as a block-fp8 checkpoint in DeepSeek-V3's format.
+
+    Each expert's ``w1``/``w2``/``w3`` is stored as fp8 e4m3 with a float32
+    ``weight_scale_inv`` per 128x128 block (``weight = q * scale_inv``); config.json says
+    ``quant_method: fp8``, ``weight_block_size: [128, 128]``, ``activation_scheme: dynamic``.
+    Attention stays unquantized (``modules_to_not_convert``), so only the MoE layers are fp8.
+    """
+    import json
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from moetune.runtime.kernels.quant import quantize_fp8
+    from moetune.runtime.problem import QuantScheme
+
+    spec = dict(FP8_BLOCK_MODEL)
+    cls = spec.pop("cls")
+    tiny_model_from(cls, spec, directory, getattr(torch, dtype))
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    for name in [n for n in tensors if ".experts." in n]:
+        q, scale = quantize_fp8(tensors[name][None].float(), QuantScheme.FP8_BLOCK_128X128)
+        tensors[name] = q[0].contiguous()
+        tensors[name.removesuffix("weight") + "weight_scale_inv"] = scale[0].contiguous()
+    save_file(tensors, path, metadata={"format": "pt"})
+    config = json.loads((directory / "config.json").read_text())
+    layers = range(config["num_hidden_layers"])
+    config["quantization_config"] = {
+        "quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "dynamic",
+        "modules_to_not_convert": [f"model.layers.{i}.self_attn.{p}_proj"
+                                   for i in layers for p in ("q", "k", "v", "o")]}
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
     return directory
 
 
