@@ -120,6 +120,10 @@ class Dispatcher:
         """Whether the table has a usable row for ``shape`` at any num_tokens."""
         return shape in self._points
 
+    def shapes(self) -> tuple[Shape, ...]:
+        """The shapes the table has usable rows for."""
+        return tuple(self._points)
+
     def buckets(self, shape: Shape) -> tuple[int, ...]:
         """The num_tokens of the table's usable rows for ``shape``, ascending (empty if none)."""
         return tuple(self._points.get(shape, ()))
