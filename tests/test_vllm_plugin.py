@@ -3,11 +3,14 @@
 The stand-in has the exact ``apply`` and ``process_weights_after_loading`` signatures of vLLM
 0.32's CPU experts and "prepacks" (zeroes) the layer's weights at load, as vLLM's does (its
 packed layout is not plain), so a kernel run on the wrong weights shows up as a wrong output.
+``tests/test_vllm_contract.py`` runs the same hook on vLLM's real classes.
 """
 
 from __future__ import annotations
 
+import gc
 import json
+import logging
 import sys
 import types
 from pathlib import Path
@@ -17,14 +20,17 @@ import pytest
 import torch
 
 from moetune.errors import TableError
-from moetune.runtime.vllm import classes, hook, plugin
-from moetune.runtime.kernels.base import MoEWeights, WeightLayout
+from moetune.runtime import dispatcher as dispatcher_module
+from moetune.runtime import rules
+from moetune.runtime.kernels.base import MoEWeights
 from moetune.runtime.kernels.torch_grouped import TorchGroupedKernel
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem, Shape
 from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
-from moetune.runtime.vllm.state import Mode, PluginState, Settings
+from moetune.runtime.vllm import classes, hook, op, plugin, version
+from moetune.runtime.vllm.settings import Mode, Settings
+from moetune.runtime.vllm.state import PluginState
 
 from tests.vllm_tables import write_winners
 
@@ -39,7 +45,8 @@ class FakeExperts:
         self.moe_config = SimpleNamespace(activation=SimpleNamespace(value="silu"),
                                           in_dtype=torch.float32, experts_per_token=topk)
         self.quant_config = SimpleNamespace(is_quantized=quantized,
-                                            weight_quant_dtype="fp8" if quantized else None)
+                                            weight_quant_dtype="fp8" if quantized else None,
+                                            gemm1_alpha=None, gemm1_clamp_limit=None)
         self.w1_bias = self.w2_bias = None
         self.vllm_calls = 0
 
@@ -73,7 +80,8 @@ def fake_vllm(monkeypatch):
     module = types.ModuleType("fake_vllm_experts")
     module.FakeExperts = cls
     monkeypatch.setitem(sys.modules, "fake_vllm_experts", module)
-    return cls, classes.ExpertsSpec("fake_vllm_experts", "FakeExperts", WeightLayout.PLAIN, True)
+    return cls, classes.ExpertsSpec("fake_vllm_experts", "FakeExperts",
+                                    classes.Held.CPU_PREPACKED, True)
 
 
 @pytest.fixture
@@ -91,13 +99,21 @@ def make_layer(cls, on_input=False, topk=TOPK, **kw):
     return experts, layer
 
 
-def call(experts, layer, m, expert_map=None, on_input=False, topk=TOPK):
+def call(experts, layer, m, expert_map=None, on_input=False, topk=TOPK, positional=False):
+    """One MoE call as vLLM makes it (every argument by keyword), checked against the reference."""
     x = torch.randn(m, H)
     topk_weights = torch.rand(m, topk)
     topk_ids = torch.stack([torch.randperm(E)[:topk] for _ in range(m)]).to(torch.int32)
     out = torch.empty(m, H)
-    experts.apply(out, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids, None, E,
-                  expert_map, None, None, None, None, None, on_input)
+    args = dict(output=out, hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight,
+                topk_weights=topk_weights, topk_ids=topk_ids, activation=None,
+                global_num_experts=E, expert_map=expert_map, a1q_scale=None, a2_scale=None,
+                workspace13=None, workspace2=None, expert_tokens_meta=None,
+                apply_router_weight_on_input=on_input)
+    if positional:
+        experts.apply(*args.values())
+    else:
+        experts.apply(**args)
     torch.testing.assert_close(out, reference(experts.plain, x, topk_weights, topk_ids, on_input))
 
 
@@ -184,12 +200,15 @@ def test_shape_not_in_table_is_a_miss_and_is_recorded_once(fake_vllm, table, tmp
     assert experts.vllm_calls == 4
     (counts,) = state.counts.values()
     assert counts == {"hit": 0, "miss": 4, "fallback": 0}
+    assert not misses.exists()  # the forward pass does no I/O: written at exit
+    state.report()
     rows = [json.loads(line) for line in misses.read_text().splitlines()]
     assert [r["num_tokens"] for r in rows] == [4, 96]  # 5 and 6 share bucket 4
     assert MoEProblem.from_row(rows[0]).shape == Shape(H, I, E, 1, "float32", "none", "silu",
                                                        True, False)
     again = PluginState(Settings(mode=Mode.RECORD, table=table, misses=misses))
     again.record_miss(MoEProblem.from_row(rows[1]))  # another process: no duplicate line
+    again.misses.flush()
     assert len(misses.read_text().splitlines()) == 2
 
 
@@ -201,6 +220,7 @@ def test_neighbour_winner_runs_but_bucket_is_recorded(fake_vllm, table, tmp_path
     experts, layer = make_layer(cls)
     call(experts, layer, 256)
     assert experts.vllm_calls == 0
+    state.report()
     assert [json.loads(line)["num_tokens"] for line in misses.read_text().splitlines()] == [256]
 
 
@@ -264,9 +284,12 @@ def test_traced_apply_goes_through_one_opaque_op(fake_vllm, table):
     empty = torch.empty(0)
 
     def forward(out, x, topk_weights, topk_ids):
-        experts.apply(out, x, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
-                      experts.moe_config.activation, E, None, None, None, empty, empty, None,
-                      False)
+        experts.apply(output=out, hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight,
+                      topk_weights=topk_weights, topk_ids=topk_ids,
+                      activation=experts.moe_config.activation, global_num_experts=E,
+                      expert_map=None, a1q_scale=None, a2_scale=None, workspace13=empty,
+                      workspace2=empty, expert_tokens_meta=None,
+                      apply_router_weight_on_input=False)
         return out
 
     compiled = torch.compile(forward, backend="aot_eager", fullgraph=True, dynamic=True)
@@ -288,10 +311,10 @@ def test_traced_layers_use_the_op_only_if_a_moetune_kernel_can_run(fake_vllm, tm
     kernel, params = rule_kernel() if winner == "rule" else (winner, {})
     state = PluginState(Settings(table=write_winners(tmp_path / "t.db", SHAPE, (1, 4, 16),
                                                      kernel, params)))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)  # the hook reads it once
     install(state, spec)
     experts, layer = make_layer(cls)
     ops = []
-    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
     monkeypatch.setattr(torch.ops.moetune, "experts_apply",
                         lambda *args: ops.append(args[-1]), raising=False)
     out = torch.empty(4, H)
@@ -311,7 +334,7 @@ def test_other_vllm_internals_are_refused_before_patching(fake_vllm, table):
     with pytest.raises(classes.IncompatibleVllm, match="apply"):
         hook.install(PluginState(Settings(table=table)), (spec,))
     assert cls.apply is apply
-    missing = classes.ExpertsSpec("fake_vllm_experts", "Renamed", WeightLayout.PLAIN, False)
+    missing = classes.ExpertsSpec("fake_vllm_experts", "Renamed", classes.Held.PLAIN)
     with pytest.raises(classes.IncompatibleVllm, match="not found"):
         hook.install(PluginState(Settings(table=table)), (missing,))
 
@@ -322,6 +345,7 @@ def fresh_plugin(monkeypatch, fake_vllm):
         if name in ("_STATE", "_REGISTERED"):
             monkeypatch.setattr(plugin, name, None if name == "_STATE" else False)
     monkeypatch.setattr(classes, "platform_specs", lambda: (fake_vllm[1],))
+    monkeypatch.setattr(version, "installed", lambda: "0.32.0")
     for key in ("MOETUNE_MODE", "MOETUNE_TABLE", "MOETUNE_STATS", "MOETUNE_MISSES"):
         monkeypatch.delenv(key, raising=False)
     return fake_vllm[0]
@@ -397,15 +421,138 @@ def test_forked_worker_reports_its_own_counters(table, tmp_path):
 
 def test_unknown_vllm_internals_disable_the_plugin_with_one_warning(fresh_plugin, monkeypatch,
                                                                    caplog, table):
-    renamed = classes.ExpertsSpec("fake_vllm_experts", "Renamed", WeightLayout.PLAIN, False)
+    renamed = classes.ExpertsSpec("fake_vllm_experts", "Renamed", classes.Held.PLAIN)
     monkeypatch.setattr(classes, "platform_specs", lambda: (renamed,))
-    monkeypatch.setattr(plugin, "_vllm_version", lambda: "9.9.9")
+    monkeypatch.setattr(version, "installed", lambda: "0.32.7")
     monkeypatch.setenv("MOETUNE_TABLE", str(table))
     plugin.register()
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
-    assert "vLLM 9.9.9" in warning.getMessage() and "Renamed" in warning.getMessage()
+    assert "vLLM 0.32.7" in warning.getMessage() and "Renamed" in warning.getMessage()
     assert plugin._STATE is None and not hasattr(fresh_plugin.apply, hook._MARK)
     monkeypatch.setattr(plugin, "_REGISTERED", False)
     monkeypatch.setenv("MOETUNE_MODE", "strict")
-    with pytest.raises(TableError, match="cannot hook vLLM 9.9.9"):
+    with pytest.raises(TableError, match="vLLM 0.32.7 differs"):
         plugin.register()
+
+
+@pytest.mark.parametrize("found", ["0.31.2", "0.33.0", "1.0.0rc1", "unknown"])
+def test_vllm_outside_the_supported_versions_disables_the_plugin(fresh_plugin, monkeypatch,
+                                                                 caplog, table, found):
+    monkeypatch.setattr(version, "installed", lambda: found)
+    monkeypatch.setenv("MOETUNE_TABLE", str(table))
+    plugin.register()
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert found in warning.getMessage() and ">=0.32, <0.33" in warning.getMessage()
+    assert plugin._STATE is None and not hasattr(fresh_plugin.apply, hook._MARK)
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
+    monkeypatch.setenv("MOETUNE_MODE", "strict")
+    with pytest.raises(TableError, match=found):
+        plugin.register()
+
+
+def test_supported_versions_include_local_and_dev_builds():
+    for v in ("0.32.0", "0.32.0+cpu", "0.32.1.dev4+g1234"):
+        assert version.unsupported(v) is None, v
+
+
+def test_calls_bound_by_position_run_as_by_keyword(fake_vllm, table):
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    call(experts, layer, 4, positional=True)
+    call(experts, layer, 4)
+    assert experts.vllm_calls == 0 and next(iter(state.counts.values()))["hit"] == 2
+
+
+def test_plan_is_decided_at_attach_and_shared_by_layers_of_a_shape(fake_vllm, tmp_path,
+                                                                   monkeypatch, caplog):
+    """After attach, a call neither asks the dispatcher nor evaluates the rule."""
+    cls, spec = fake_vllm
+    table = write_winners(tmp_path / "t.db", SHAPE, (1, 4), *rule_kernel())
+    write_winners(table, SHAPE, (16,), "torch_grouped")
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    caplog.set_level(logging.INFO, logger="moetune")
+    (e1, l1), (e2, l2) = make_layer(cls), make_layer(cls)
+    first, second = e1.__dict__[hook._ATTR], e2.__dict__[hook._ATTR]
+    assert first.plan is second.plan and first.fns is not second.fns
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("the forward pass asked the dispatcher or the rule")
+
+    monkeypatch.setattr(dispatcher_module, "rule_choice", forbidden)
+    monkeypatch.setattr(rules, "rule_choice", forbidden)
+    monkeypatch.setattr(dispatcher_module, "is_rule_pick", forbidden)
+    monkeypatch.setattr(type(state.dispatcher()), "select", forbidden)
+    for experts, layer in ((e1, l1), (e2, l2)):
+        for m in (1, 3, 16, 40, 3000):
+            call(experts, layer, m)
+    assert (e1.vllm_calls, e2.vllm_calls) == (2, 2)  # 1 and 3: vLLM's own (the rule's pick)
+    (line,) = [r.getMessage() for r in caplog.records if "vLLM holds" in r.getMessage()]
+    assert "FakeExperts layers H=64 I=32 E=4 topk=2 float32 none silu" in line
+    assert "vLLM holds CPU-prepacked weights, moetune kernels run on a plain copy" in line
+    assert "M=1 vLLM, M=4 vLLM, M=16 torch_grouped" in line
+
+
+def test_op_registry_lets_dropped_layers_go(fake_vllm, table):
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=table))
+    install(state, spec)
+    experts, layer = make_layer(cls)
+    op_id = experts.__dict__[hook._ATTR].op_id
+    assert op.bound(op_id)
+    del experts, layer
+    gc.collect()
+    assert not op.bound(op_id)
+
+
+@pytest.fixture
+def faulty_table(tmp_path, cpu_sku) -> Path:
+    """SHAPE's buckets 1 and 16 tuned; bucket 4 names a kernel this moetune does not have."""
+    import sqlite3
+
+    table = write_winners(tmp_path / "t.db", SHAPE, (1, 4, 16), "torch_grouped", sku=cpu_sku)
+    with sqlite3.connect(table) as con:
+        con.execute("UPDATE winner SET kernel = 'gone_kernel' WHERE bucket_id = "
+                    "(SELECT id FROM bucket WHERE num_tokens = 4)")
+    return table
+
+
+def test_faulty_rows_warn_once_per_bucket_and_count_as_fallbacks(fake_vllm, faulty_table,
+                                                                 caplog):
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=faulty_table))
+    install(state, spec)
+    (e1, l1), (e2, l2) = make_layer(cls), make_layer(cls)
+    for m in (1, 4, 5, 16):
+        call(e1, l1, m)
+        call(e2, l2, m)
+    assert (e1.vllm_calls, e2.vllm_calls) == (2, 2)  # 4 and 5 map to the faulty bucket 4
+    assert state.counts == {"H=64 I=32 E=4 topk=2 float32 none silu":
+                            {"hit": 4, "miss": 0, "fallback": 4}}
+    (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert "'num_tokens': 4" in warning and "unknown kernel 'gone_kernel'" in warning
+
+
+def test_strict_refuses_a_table_with_faulty_rows(fake_vllm, faulty_table):
+    state = PluginState(Settings(mode=Mode.STRICT, table=faulty_table))
+    with pytest.raises(TableError, match="1 faulty rows.*gone_kernel"):
+        state.check_strict()
+
+
+def test_subclass_calling_the_hooked_apply_runs_vllms_own_not_itself(fake_vllm, table):
+    """vLLM subclasses experts classes (its ISA-specific CPU ones, Triton variants); one that
+    overrides ``apply`` and calls the hooked one must reach vLLM's original, not recurse."""
+    cls, spec = fake_vllm
+    state = PluginState(Settings(table=write_winners(table.with_name("rule.db"), SHAPE, (4,),
+                                                     *rule_kernel())))
+    install(state, spec)
+
+    class Variant(cls):
+        def apply(self, *args, **kwargs):
+            return super().apply(*args, **kwargs)
+
+    experts, layer = make_layer(Variant)
+    call(experts, layer, 4)
+    assert experts.vllm_calls == 1

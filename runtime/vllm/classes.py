@@ -1,14 +1,17 @@
-"""The vLLM experts classes moetune wraps, per platform, and the methods it expects on them.
+"""The vLLM experts classes moetune wraps, per platform, and the weights each holds.
 
-vLLM 0.3x picks one experts class per layer at load (``fused_moe/oracle/unquantized.py``:
-``CPUUnquantizedExperts`` on CPU, ``TritonExperts`` on CUDA, ``AiterExperts`` on ROCm) and
-calls its ``apply`` between its prepare and finalize steps. These are the only names of vLLM
-classes in moetune.
+vLLM 0.3x picks one experts class per layer at load (``fused_moe/oracle/unquantized.py`` and
+``oracle/fp8.py``: ``CPUUnquantizedExperts`` or ``CPUExpertsFp8``/``CPUExpertsFp8W8A8`` on the
+CPU, ``TritonExperts`` on CUDA, ``AiterExperts`` or ``TritonExperts`` on ROCm) and calls its
+``apply`` between its prepare and finalize steps. These are the only names of vLLM classes in
+moetune; ``tests/test_vllm_contract.py`` checks them against the installed vLLM.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import enum
+import importlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -17,35 +20,64 @@ from moetune.runtime.kernels.base import WeightLayout
 
 _EXPERTS = "vllm.model_executor.layers.fused_moe.experts."
 
-#: ``FusedMoEExpertsModular.apply``'s parameters, in order (vLLM passes them by keyword).
-APPLY_PARAMS = ("self", "output", "hidden_states", "w1", "w2", "topk_weights", "topk_ids",
-                "activation", "global_num_experts", "expert_map", "a1q_scale", "a2_scale",
-                "workspace13", "workspace2", "expert_tokens_meta", "apply_router_weight_on_input")
-LOAD_PARAMS = ("self", "layer")
-
 
 class IncompatibleVllm(Exception):
     """vLLM's internals differ from what this package knows; the plugin disables itself."""
 
 
+class Held(str, enum.Enum):
+    """The weight layout vLLM's experts class holds once it has loaded a layer."""
+
+    PLAIN = "plain"  # (E, 2I, H) and (E, H, I), as checkpoints store them
+    AITER_SHUFFLED = "aiter-shuffled"  # pre-shuffled for aiter's CK/asm kernels
+    CPU_PREPACKED = "CPU-prepacked"  # blocked for vLLM's C++ CPU kernels (ISA-specific)
+
+
 @dataclasses.dataclass(frozen=True)
 class ExpertsSpec:
-    """One vLLM experts class moetune hooks, and what its weights look like after loading."""
+    """One vLLM experts class moetune hooks, and the weights it holds after loading.
+
+    ``copy_at_load``: vLLM repacks the weights in the class's ``process_weights_after_loading``,
+    so a plain copy is kept before it does (for layers that run a moetune kernel).
+    """
 
     module: str
     name: str
-    layout: WeightLayout
-    copy_at_load: bool  # vLLM repacks the weights: keep a plain copy before it does
+    held: Held
+    copy_at_load: bool = False
+
+    @property
+    def layout(self) -> WeightLayout | None:
+        """The layout moetune kernels see in this class's layers, or None if they see none."""
+        if self.held is Held.AITER_SHUFFLED:
+            return WeightLayout.AITER_SHUFFLED
+        if self.held is Held.PLAIN or self.copy_at_load:
+            return WeightLayout.PLAIN
+        return None
+
+    def load(self) -> type:
+        """The class itself. Raises: IncompatibleVllm if vLLM has no such class."""
+        try:
+            return getattr(importlib.import_module(self.module), self.name)
+        except (ImportError, AttributeError) as e:
+            raise IncompatibleVllm(f"{self.module}.{self.name} not found ({e})") from e
 
 
-CPU_SPECS = (ExpertsSpec(_EXPERTS + "cpu_moe", "CPUUnquantizedExperts", WeightLayout.PLAIN, True),)
-CUDA_SPECS = (ExpertsSpec(_EXPERTS + "triton_moe", "TritonExperts", WeightLayout.PLAIN, False),)
-ROCM_SPECS = (ExpertsSpec(_EXPERTS + "rocm_aiter_moe", "AiterExperts",
-                          WeightLayout.AITER_SHUFFLED, False),) + CUDA_SPECS
+CPU_SPECS = (
+    ExpertsSpec(_EXPERTS + "cpu_moe", "CPUUnquantizedExperts", Held.CPU_PREPACKED, True),
+    # fp8 weights are packed by the quant method before the experts object exists.
+    ExpertsSpec(_EXPERTS + "cpu_moe", "CPUExpertsFp8", Held.CPU_PREPACKED),
+    ExpertsSpec(_EXPERTS + "cpu_moe", "CPUExpertsFp8W8A8", Held.CPU_PREPACKED),
+)
+TRITON = ExpertsSpec(_EXPERTS + "triton_moe", "TritonExperts", Held.PLAIN)
+CUDA_SPECS = (TRITON,)
+ROCM_SPECS = (ExpertsSpec(_EXPERTS + "rocm_aiter_moe", "AiterExperts", Held.AITER_SHUFFLED),
+              TRITON)
+ALL_SPECS = CPU_SPECS + CUDA_SPECS + ROCM_SPECS[:1]
 
 
 def platform_specs() -> tuple[ExpertsSpec, ...]:
-    """The experts classes vLLM picks on this platform for unquantized MoE."""
+    """The experts classes vLLM may pick on this platform."""
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
@@ -58,7 +90,7 @@ def platform_specs() -> tuple[ExpertsSpec, ...]:
 
 
 def check_method(cls: type, method: str, params: tuple[str, ...], mark: str) -> None:
-    """Raise IncompatibleVllm unless ``cls`` defines ``method`` with exactly ``params``
+    """Raise IncompatibleVllm unless ``cls`` itself defines ``method`` with exactly ``params``
     (looking through moetune's own wrapper, which keeps the original under ``mark``)."""
     fn: Callable[..., Any] | None = cls.__dict__.get(method)
     fn = getattr(fn, mark, fn)

@@ -1,7 +1,9 @@
 """How moetune describes a vLLM MoE layer: its ``Shape``, or why it leaves the layer to vLLM.
 
 Reads the experts object's ``moe_config`` and ``quant_config`` (vLLM's ``FusedMoEConfig`` and
-``FusedMoEQuantConfig``), its biases and the weight tensors' shapes.
+``FusedMoEQuantConfig``), its biases and the weight tensors' shapes, as plain attributes (no
+``getattr`` defaults): an attribute vLLM renamed raises, and the hook leaves the layer to vLLM
+saying so.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor,
         return None, f"quantized ({qc.weight_quant_dtype})"
     if experts.w1_bias is not None or experts.w2_bias is not None:
         return None, "expert biases"
-    if any(getattr(qc, n, None) is not None for n in ("gemm1_alpha", "gemm1_clamp_limit")):
+    if qc.gemm1_alpha is not None or qc.gemm1_clamp_limit is not None:
         return None, "clamped or scaled swiglu"
     act = _ACTIVATIONS.get(str(cfg.activation.value))
     dtype = _DTYPES.get(cfg.in_dtype)

@@ -1,39 +1,38 @@
 """Where moetune meets vLLM: the experts' ``apply``, wrapped to run a table winner per call.
 
-vLLM 0.3x picks one experts class per layer at load (``fused_moe/oracle/unquantized.py``:
-``CPUUnquantizedExperts`` on CPU, ``TritonExperts`` on CUDA, ``AiterExperts`` on ROCm) and calls
-``experts.apply(output, hidden_states, w1, w2, topk_weights, topk_ids, ...)`` between its
-prepare and finalize steps, which stay vLLM's. Dispatch is two-level, as DESIGN.md says:
+vLLM calls ``experts.apply(output=..., hidden_states=..., w1=..., ...)`` between its prepare
+and finalize steps, which stay vLLM's. Dispatch is two-level, as DESIGN.md says:
 
-* per layer, at load (or first call): the layer's shape, and its weights in a layout a moetune
-  kernel can run. Triton keeps the plain (E, N, K) weights, so they are used as they are; vLLM's
-  CPU experts prepack theirs in ``process_weights_after_loading``, so a plain copy is kept before
-  that, but only for layers where some bucket's table winner is not the rule's pick (memory: one
-  more copy of those experts; none where vLLM's own kernel wins every bucket).
-* per call: ``plan[num_tokens]`` -> the prepared winner or None (run vLLM's own ``apply``:
-  no table row, or the winner is the rule's pick, i.e. vLLM's kernel itself); filled once per
-  num_tokens through the dispatcher, then a dict lookup. The choice depends on num_tokens only;
-  while a CUDA graph is captured, winners that are not ``graph_safe`` give way to vLLM's kernel.
-  Where Dynamo traces the experts (vLLM on the CPU), layers that run a moetune kernel for some
-  num_tokens become one opaque op (``op``); the others trace vLLM's own ``apply``, as if
-  moetune were not there (those calls are not counted).
+* per layer, at load (or first call), ``_attach``: the layer's shape (``describe``), the plan
+  of its (shape, layout) (``PluginState.plan``, shared by layers alike), and weights in a
+  layout a moetune kernel can run, with the plan's kernels prepared on them. Triton keeps plain
+  (E, N, K) weights, so they are used as they are; vLLM's CPU experts prepack theirs in
+  ``process_weights_after_loading``, so a plain copy is kept before that, but only for layers
+  whose plan runs a moetune kernel somewhere (none where vLLM's own kernel wins every bucket).
+* per call, ``Layer.run``: one memoized dict lookup by num_tokens -> the prepared winner, or
+  vLLM's own ``apply``. While a CUDA graph is captured, winners that are not ``graph_safe``
+  give way to vLLM's kernel. Where Dynamo traces the experts (vLLM on the CPU), layers that run
+  a moetune kernel for some num_tokens become one opaque op (``op``); the others trace vLLM's
+  own ``apply``, as if moetune were not there (those calls are not counted).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from moetune.runtime.kernels.base import MoEWeights
+from moetune.runtime.kernels.base import MoEWeights, WeightLayout
 from moetune.runtime.vllm import op
-from moetune.runtime.vllm.classes import (APPLY_PARAMS, LOAD_PARAMS, ExpertsSpec, IncompatibleVllm,
-                                          check_method)
+from moetune.runtime.vllm.call import APPLY_PARAMS, LOAD_PARAMS, ApplyCall, op_args, wrap
+from moetune.runtime.vllm.classes import ExpertsSpec, check_method
 from moetune.runtime.vllm.describe import describe
-from moetune.runtime.vllm.layer import LayerPlan, runs_moetune
-from moetune.runtime.vllm.state import Mode, PluginState
+from moetune.runtime.vllm.layer import Layer
+from moetune.runtime.vllm.settings import Mode
+from moetune.runtime.vllm.state import PluginState, shape_label
 
 logger = logging.getLogger("moetune")
 
@@ -46,17 +45,12 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
     """Check every class first, then wrap them; idempotent. Returns the hooked class names.
 
     Raises:
-        IncompatibleVllm: a class, method or signature is not what vLLM 0.32 has; nothing
-            has been patched then.
+        IncompatibleVllm: a class, method or signature is not what this package knows;
+            nothing has been patched then.
     """
-    import importlib
-
     found = []
     for spec in specs:
-        try:
-            cls = getattr(importlib.import_module(spec.module), spec.name)
-        except (ImportError, AttributeError) as e:
-            raise IncompatibleVllm(f"{spec.module}.{spec.name} not found ({e})") from e
+        cls = spec.load()
         check_method(cls, "apply", APPLY_PARAMS, _MARK)
         if spec.copy_at_load:
             check_method(cls, "process_weights_after_loading", LOAD_PARAMS, _MARK)
@@ -65,11 +59,17 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
     op.ensure_registered()
     for cls, spec in found:
         if not getattr(cls.__dict__["apply"], _MARK, None):
-            cls.apply = _wrap_apply(cls.__dict__["apply"], spec, state, capturing)
+            cls.apply = _wrap_apply(cls, spec, state, capturing)
         load = cls.__dict__.get("process_weights_after_loading")
         if spec.copy_at_load and not getattr(load, _MARK, None):
-            cls.process_weights_after_loading = _wrap_load(load, spec, state)
+            cls.process_weights_after_loading = _wrap_load(cls, spec, state)
     return [cls.__name__ for cls, _ in found]
+
+
+def original(cls: type, method: str = "apply") -> Callable[..., Any]:
+    """vLLM's own ``method`` of a hooked class (the method itself if not hooked)."""
+    fn = cls.__dict__[method]
+    return getattr(fn, _MARK, fn)
 
 
 def _capture_probe() -> Callable[[], bool]:
@@ -83,43 +83,65 @@ def _never() -> bool:
     return False
 
 
-def _attach(experts: Any, spec: ExpertsSpec, state: PluginState, w13: torch.Tensor,
-            w2: torch.Tensor, on_input: bool, at_load: bool) -> LayerPlan:
+def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13: torch.Tensor,
+            w2: torch.Tensor, on_input: bool, at_load: bool) -> Layer:
     """Build the layer's moetune state once; anything unexpected leaves the layer to vLLM.
+
+    ``cls`` is the hooked class (``experts`` may be of a subclass that inherits its methods).
 
     Raises:
         TableError: ``strict`` mode without a usable table (the only error that escapes).
     """
-    dispatcher = state.dispatcher()
+    state.dispatcher()  # strict mode refuses here, whatever the layer is
     try:
         shape, why = describe(experts, w13, w2, on_input)
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
         shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
-    weights = None
-    covered = shape is not None and dispatcher.covers(shape)
-    runs = covered and runs_moetune(dispatcher, shape, spec.layout)
-    if covered and not spec.copy_at_load:
-        weights = MoEWeights(w13, w2)
-    elif runs and at_load:
-        weights = MoEWeights(w13.detach().clone(), w2.detach().clone())
-        state.plain_copy_bytes += sum(t.numel() * t.element_size()
-                                      for t in (weights.w13, weights.w2))
-    apply = type(experts).apply
-    layer = LayerPlan(state, shape, why, weights, spec.layout, experts,
-                      getattr(apply, _MARK, apply), getattr(apply, _PROBE, _never))
+    # A class whose weights no moetune kernel can read still gets its plan's hits and misses.
+    plan = None if shape is None else state.plan(shape, spec.layout or WeightLayout.PLAIN)
+    weights, copied = None, False
+    if plan is not None and plan.runs_moetune and spec.layout is not None:
+        if not spec.copy_at_load:
+            weights = MoEWeights(w13, w2)
+        elif at_load:
+            weights, copied = MoEWeights(w13.detach().clone(), w2.detach().clone()), True
+            state.plain_copy_bytes += sum(t.numel() * t.element_size()
+                                          for t in (weights.w13, weights.w2))
+    label = shape_label(shape) if shape is not None else f"not handled: {why}"
+    apply = cls.__dict__["apply"]
+    layer = Layer(label, plan, state.counter(label), weights, experts,
+                  getattr(apply, _MARK, apply), getattr(apply, _PROBE, _never), state.record_miss)
     # Traced, a layer that never runs a moetune kernel is vLLM's own apply, uncounted (record
     # mode keeps the op: it must see every num_tokens to record the missed ones).
-    layer.traced_op = (runs and weights is not None) or state.settings.mode is Mode.RECORD
-    layer.activation = getattr(experts.moe_config, "activation", None)
-    layer.op_id = op.bind(layer.run_traced)
+    layer.traced_op = bool(layer.fns) or state.settings.mode is Mode.RECORD
+    layer.activation = experts.moe_config.activation if shape is not None else None
+    layer.op_id = op.bind(layer)
     experts.__dict__[_ATTR] = layer
+    state.layers += 1
+    state.hook_exit()
+    _announce(state, spec, label, layer, copied)
     return layer
 
 
-def _wrap_load(original: Callable[..., Any], spec: ExpertsSpec,
-               state: PluginState) -> Callable[..., Any]:
+def _announce(state: PluginState, spec: ExpertsSpec, label: str, layer: Layer,
+              copied: bool) -> None:
+    """The startup line of each distinct (shape, weight layout): what vLLM holds, what moetune
+    kernels run on, and what each bucket runs."""
+    if layer.weights is None:
+        runs_on = "no moetune kernel runs on them"
+    else:
+        runs_on = "moetune kernels run on a plain copy" if copied else "moetune kernels use them"
+    plan = layer.plan.summary() if layer.plan is not None else "vLLM's own kernel"
+    state.announce((label, spec.name, spec.held.value, runs_on),
+                   "moetune: %s layers %s: vLLM holds %s weights, %s; %s (pid %d)", spec.name,
+                   label, spec.held.value, runs_on, plan, os.getpid())
+
+
+def _wrap_load(cls: type, spec: ExpertsSpec, state: PluginState) -> Callable[..., Any]:
+    original = cls.__dict__["process_weights_after_loading"]
+
     def process_weights_after_loading(self: Any, layer: Any) -> None:
-        _attach(self, spec, state, layer.w13_weight, layer.w2_weight,
+        _attach(self, cls, spec, state, layer.w13_weight, layer.w2_weight,
                 getattr(layer, "apply_router_weight_on_input", False), at_load=True)
         return original(self, layer)
 
@@ -127,33 +149,26 @@ def _wrap_load(original: Callable[..., Any], spec: ExpertsSpec,
     return process_weights_after_loading
 
 
-def _wrap_apply(original: Callable[..., Any], spec: ExpertsSpec, state: PluginState,
+def _wrap_apply(cls: type, spec: ExpertsSpec, state: PluginState,
                 capturing: Callable[[], bool]) -> Callable[..., Any]:
-    def apply(self: Any, output: torch.Tensor, hidden_states: torch.Tensor, w1: torch.Tensor,
-              w2: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-              activation: Any, global_num_experts: int, expert_map: torch.Tensor | None,
-              a1q_scale: Any, a2_scale: Any, workspace13: Any, workspace2: Any,
-              expert_tokens_meta: Any, apply_router_weight_on_input: bool) -> Any:
-        if torch.compiler.is_compiling():  # traced (vLLM on CPU): one opaque op per layer
+    original = cls.__dict__["apply"]
+    compiling = torch.compiler.is_compiling
+
+    def body(self: Any, call: ApplyCall) -> Any:
+        if compiling():  # traced (vLLM on CPU): one opaque op per layer
             layer = getattr(self, _ATTR, None)
-            if (layer is None or not layer.traced_op or expert_tokens_meta is not None
-                    or activation is not layer.activation):
-                return original(self, output, hidden_states, w1, w2, topk_weights, topk_ids,
-                                activation, global_num_experts, expert_map, a1q_scale,
-                                a2_scale, workspace13, workspace2, expert_tokens_meta,
-                                apply_router_weight_on_input)
-            torch.ops.moetune.experts_apply(
-                output, hidden_states, w1, w2, topk_weights, topk_ids, expert_map, a1q_scale,
-                a2_scale, workspace13, workspace2, global_num_experts,
-                apply_router_weight_on_input, layer.op_id)
+            if (layer is None or not layer.traced_op or call.expert_tokens_meta is not None
+                    or call.activation is not layer.activation):
+                return original(self, *call)
+            torch.ops.moetune.experts_apply(*op_args(call), layer.op_id)
             return None
         layer = self.__dict__.get(_ATTR)
         if layer is None:
-            layer = _attach(self, spec, state, w1, w2, apply_router_weight_on_input, False)
-        return layer.run(output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-                         global_num_experts, expert_map, a1q_scale, a2_scale, workspace13,
-                         workspace2, expert_tokens_meta, apply_router_weight_on_input)
+            layer = _attach(self, cls, spec, state, call.w1, call.w2,
+                            call.apply_router_weight_on_input, False)
+        return layer.run(call)
 
+    apply = wrap(original, body)
     setattr(apply, _MARK, original)
     setattr(apply, _PROBE, capturing)
     return apply

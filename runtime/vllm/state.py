@@ -1,71 +1,28 @@
-"""The vLLM plugin's per-process state: settings from the environment, the table, counters, misses.
+"""The vLLM plugin's per-process state: the table, the plans built from it, counters, misses.
 
 One ``PluginState`` per process, built by ``register()`` and filled lazily: the table is read
-when the first MoE layer of this process asks for it (in vLLM's worker), never at import time.
-Nothing here imports vLLM.
+when the first MoE layer of this process asks for it (in vLLM's worker), never at import time;
+each (shape, layout) gets its ``ShapePlan`` when its first layer attaches. Nothing here imports
+vLLM.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import json
 import logging
 import os
 import threading
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from moetune.errors import TableError
-from moetune.runtime.problem import MoEProblem, Shape, parse_enum
+from moetune.runtime.kernels.base import WeightLayout
+from moetune.runtime.problem import MoEProblem, Shape
+from moetune.runtime.vllm.misses import MissLog
+from moetune.runtime.vllm.plan import ShapePlan
+from moetune.runtime.vllm.settings import Mode, Outcome, Settings
 
 logger = logging.getLogger("moetune")
-
-
-
-class Mode(str, enum.Enum):
-    """``MOETUNE_MODE``: what the plugin does inside vLLM."""
-
-    OFF = "off"  # install nothing
-    LOOKUP = "lookup"  # run table winners; anything wrong with the table -> vLLM's own pick
-    STRICT = "strict"  # like lookup, but refuse to start without a usable table for this SKU
-    RECORD = "record"  # like lookup, and append every bucket without its own winner to a file
-
-
-class Outcome(str, enum.Enum):
-    """What one MoE call ran. Counted per layer shape."""
-
-    HIT = "hit"  # the table's winner ran (vLLM's own kernel, when that is the winner)
-    MISS = "miss"  # no table row for this shape (or no usable table): vLLM's own kernel ran
-    FALLBACK = "fallback"  # the table had a winner that cannot run here: vLLM's kernel ran
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """The plugin's settings, read once per process from the environment.
-
-    Attributes:
-        mode: ``MOETUNE_MODE`` (default ``lookup``).
-        table: ``MOETUNE_TABLE``; None means the table shipped for the detected SKU, if any.
-        misses: ``MOETUNE_MISSES``, where ``record`` appends missed buckets (JSON lines).
-        stats: ``MOETUNE_STATS``, where each process that ran MoE layers writes its counters at
-            exit (``{pid}`` in the path is replaced by the process id).
-    """
-
-    mode: Mode = Mode.LOOKUP
-    table: Path | None = None
-    misses: Path = Path("moetune-misses.jsonl")
-    stats: str | None = None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
-        """Raises: InvalidProblemError naming the valid modes if ``MOETUNE_MODE`` is unknown."""
-        mode = parse_enum(Mode, env.get("MOETUNE_MODE") or Mode.LOOKUP.value)
-        table = env.get("MOETUNE_TABLE") or None
-        return cls(mode=mode, table=Path(table).expanduser() if table else None,
-                   misses=Path(env.get("MOETUNE_MISSES") or "moetune-misses.jsonl"),
-                   stats=env.get("MOETUNE_STATS") or None)
 
 
 def shape_label(shape: Shape) -> str:
@@ -74,10 +31,10 @@ def shape_label(shape: Shape) -> str:
 
 
 class PluginState:
-    """Settings, the loaded dispatcher, counters and recorded misses of one process.
+    """Settings, the loaded dispatcher, the plans, counters and missed buckets of one process.
 
     Thread safety: counters are plain dict increments under the GIL; the table load and the
-    misses file are guarded by a lock (both happen once per layer or bucket, never per call).
+    plan cache are guarded by a lock (both happen once per process or layer, never per call).
     """
 
     def __init__(self, settings: Settings) -> None:
@@ -85,16 +42,20 @@ class PluginState:
         self.counts: dict[str, dict[str, int]] = {}
         self.layers = 0
         self.plain_copy_bytes = 0
+        self.misses = MissLog(settings.misses)
         self._dispatcher: Any = None
+        self._plans: dict[tuple[Shape, WeightLayout], ShapePlan] = {}
+        self._announced: set[tuple[str, ...]] = set()
         self._lock = threading.Lock()
-        self._recorded: set[str] | None = None
         self._exit_hooked = False
         self._reported = False
         os.register_at_fork(after_in_child=self._forget_parent)
 
     def _forget_parent(self) -> None:
-        """In a forked child: its own counters and exit hook (the table stays loaded)."""
+        """In a forked child: its own counters, misses and exit hook (table and plans stay)."""
         self.counts, self.layers, self.plain_copy_bytes = {}, 0, 0
+        self.misses = MissLog(self.settings.misses)
+        self._announced = set()
         self._lock = threading.Lock()
         self._exit_hooked = self._reported = False
 
@@ -116,10 +77,12 @@ class PluginState:
 
     # --- the table -------------------------------------------------------------------------
     def dispatcher(self) -> Any:
-        """The process's dispatcher, loaded on first use with one log line.
+        """The process's dispatcher, loaded on first use with one log line (and one warning
+        per faulty row).
 
         Raises:
-            TableError: in ``strict`` mode, if the table is missing, invalid or for another SKU.
+            TableError: in ``strict`` mode, if the table is missing, invalid, for another SKU,
+                or has faulty rows.
         """
         if self._dispatcher is None:
             with self._lock:
@@ -138,11 +101,20 @@ class PluginState:
         dispatcher = Dispatcher.load(path, sku)
         st = dispatcher.status
         mode = self.settings.mode.value
+        strict = self.settings.mode is Mode.STRICT
+        if st.usable and st.faulty_rows and strict:
+            raise TableError(
+                f"moetune (MOETUNE_MODE=strict) refuses to start: table {st.path} has "
+                f"{len(st.faulty_rows)} faulty rows: {'; '.join(st.faulty_rows)}. Re-tune or "
+                "re-import those buckets, or set MOETUNE_MODE=lookup (they fall back).")
         if st.usable:
             rejected = f", {len(st.rejected_rows)} rows rejected" if st.rejected_rows else ""
             logger.info("moetune: mode %s, table %s: %d rows, SKU %s matches%s (pid %d)",
                         mode, st.path, st.rows, sku.label(), rejected, os.getpid())
-        elif self.settings.mode is Mode.STRICT:
+            for row in st.faulty_rows:
+                logger.warning("moetune: table %s: %s; vLLM's own kernel runs for that bucket "
+                               "(counted as fallback)", st.path, row)
+        elif strict:
             raise TableError(
                 f"moetune (MOETUNE_MODE=strict) refuses to start: table {st.path or '(none)'} "
                 f"is not usable here: {st.reason}. Point MOETUNE_TABLE at a table tuned for "
@@ -170,6 +142,23 @@ class PluginState:
         if not torch.cuda.is_available():
             self.dispatcher()
 
+    def plan(self, shape: Shape, layout: WeightLayout) -> ShapePlan:
+        """The shared plan of every layer of ``shape`` holding ``layout``, built on first use.
+
+        Raises:
+            TableError: as ``dispatcher``.
+        """
+        key = (shape, layout)
+        plan = self._plans.get(key)
+        if plan is None:
+            dispatcher = self.dispatcher()
+            with self._lock:
+                plan = self._plans.get(key)
+                if plan is None:
+                    plan = self._plans[key] = ShapePlan.build(
+                        dispatcher, shape, layout, dispatcher.faults(shape))
+        return plan
+
     # --- counting and recording --------------------------------------------------------------
     def counter(self, shape: Shape | str) -> dict[str, int]:
         """The live counter dict of a shape (a label for layers moetune cannot describe)."""
@@ -177,23 +166,17 @@ class PluginState:
         return self.counts.setdefault(label, {o.value: 0 for o in Outcome})
 
     def record_miss(self, problem: MoEProblem) -> None:
-        """Append ``problem``'s bucket to the misses file once (``record`` mode only)."""
-        if self.settings.mode is not Mode.RECORD:
-            return
-        line = json.dumps(problem.bucket().to_row(), sort_keys=True)
+        """Remember ``problem``'s bucket for the misses file (``record`` mode only; no I/O)."""
+        if self.settings.mode is Mode.RECORD:
+            self.misses.add(problem)
+
+    def announce(self, key: tuple[str, ...], message: str, *args: Any) -> None:
+        """Log ``message`` once per ``key`` in this process (the startup line of a layer kind)."""
         with self._lock:
-            if self._recorded is None:
-                self._recorded = _existing_lines(self.settings.misses)
-            if line in self._recorded:
+            if key in self._announced:
                 return
-            self._recorded.add(line)
-            try:
-                self.settings.misses.parent.mkdir(parents=True, exist_ok=True)
-                with open(self.settings.misses, "a", encoding="utf-8") as f:
-                    f.write(line + "\n")
-            except OSError as e:
-                logger.warning("moetune: cannot record a missed bucket to %s: %s",
-                               self.settings.misses, e)
+            self._announced.add(key)
+        logger.info(message, *args)
 
     # --- reporting ---------------------------------------------------------------------------
     def snapshot(self) -> dict[str, Any]:
@@ -210,10 +193,12 @@ class PluginState:
         }
 
     def report(self) -> None:
-        """At exit: one log line per shape, and the stats file if ``MOETUNE_STATS`` is set."""
+        """At exit: the missed buckets (``record``), one log line per shape, and the stats file
+        if ``MOETUNE_STATS`` is set."""
         if not self.counts or self._reported:
             return
         self._reported = True
+        self.misses.flush()
         for label, c in self.counts.items():
             logger.info("moetune: %s: %d hits, %d misses, %d fallbacks", label,
                         c["hit"], c["miss"], c["fallback"])
@@ -223,18 +208,3 @@ class PluginState:
                 path.write_text(json.dumps(self.snapshot(), indent=1), encoding="utf-8")
             except OSError as e:
                 logger.warning("moetune: cannot write stats to %s: %s", path, e)
-
-
-def _existing_lines(path: Path) -> set[str]:
-    """Lines already in the misses file, normalised, so reruns do not append duplicates."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError:
-        return set()
-    lines = set()
-    for raw in text.splitlines():
-        try:
-            lines.add(json.dumps(json.loads(raw), sort_keys=True))
-        except ValueError:
-            continue
-    return lines

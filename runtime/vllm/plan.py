@@ -1,0 +1,108 @@
+"""What a layer shape runs at each num_tokens, decided once when its first layer attaches.
+
+A ``ShapePlan`` holds, for one (shape, weight layout), the choice of every bucket the table has
+for that shape: a moetune kernel (a winner that beats vLLM's pick), vLLM's own ``apply`` (the
+winner is the rule's pick: a hit), or vLLM's own as a fallback (the winner cannot run on this
+layout, or the table's row for that bucket is faulty). It asks the dispatcher once per bucket
+at attach time, so serving never evaluates the rule; ``lookup`` maps a num_tokens to the
+nearest of those buckets (as the dispatcher does), memoized. Layers of the same shape and
+layout share one plan (``PluginState.plan``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from moetune.runtime.kernels.base import WeightLayout, params_key
+from moetune.runtime.problem import Shape, bucket_of, nearest
+from moetune.runtime.registry import Registry
+from moetune.runtime.vllm.settings import Outcome
+
+
+@dataclasses.dataclass(frozen=True)
+class Choice:
+    """What calls mapped to one bucket run: ``kernel`` with ``params`` (moetune's), or vLLM's own
+    ``apply`` when ``kernel`` is None; counted as ``outcome``; ``reason`` says why."""
+
+    outcome: Outcome
+    reason: str
+    kernel: str | None = None
+    params: dict[str, Any] = dataclasses.field(default_factory=dict)
+    graph_safe: bool = False
+
+    @property
+    def key(self) -> tuple[str, str] | None:
+        """(kernel, canonical params): the identity of a prepared moetune kernel."""
+        return None if self.kernel is None else (self.kernel, params_key(self.params))
+
+    def label(self) -> str:
+        if self.kernel is not None:
+            return self.kernel
+        return "vLLM" if self.outcome is Outcome.HIT else f"vLLM ({self.outcome.value})"
+
+
+_MISS = Choice(Outcome.MISS, "shape not in table")
+
+
+class ShapePlan:
+    """The per-bucket choices of one (shape, layout). Thread safety: ``lookup`` fills a memo
+    (a benign race: two threads compute the same value)."""
+
+    def __init__(self, shape: Shape, layout: WeightLayout, choices: Mapping[int, Choice],
+                 tuned: frozenset[int], registry: Registry) -> None:
+        self.shape, self.layout, self.registry = shape, layout, registry
+        self.choices = dict(sorted(choices.items()))
+        self._points = tuple(self.choices)
+        self._tuned = tuned  # buckets whose row is served (not faulty)
+        self._memo: dict[int, tuple[Choice, int | None]] = {}
+
+    @classmethod
+    def build(cls, dispatcher: Any, shape: Shape, layout: WeightLayout,
+              faults: Mapping[int, str]) -> ShapePlan:
+        """Ask ``dispatcher`` for each of the shape's buckets; ``faults``: buckets whose row the
+        dispatcher rejected as faulty (num_tokens -> reason), which count as fallbacks."""
+        choices = {m: Choice(Outcome.FALLBACK, f"faulty table row: {why}")
+                   for m, why in faults.items()}
+        tuned = dispatcher.buckets(shape)
+        for m in tuned:
+            selection = dispatcher.select(shape.problem(m), layout)
+            if selection.source != "table":
+                choices[m] = Choice(Outcome.FALLBACK, selection.reason)
+            elif selection.rule_pick:
+                choices[m] = Choice(Outcome.HIT, "the winner is vLLM's own kernel")
+            else:
+                kernel = dispatcher.registry.get(selection.kernel)
+                choices[m] = Choice(Outcome.HIT, selection.reason, selection.kernel,
+                                    selection.params, kernel.graph_safe)
+        return cls(shape, layout, choices, frozenset(tuned), dispatcher.registry)
+
+    @property
+    def runs_moetune(self) -> bool:
+        """Whether some bucket runs a moetune kernel (the layer then needs runnable weights)."""
+        return any(c.kernel is not None for c in self.choices.values())
+
+    def kernels(self) -> dict[tuple[str, str], tuple[int, Choice]]:
+        """Each distinct moetune kernel of the plan, with the first bucket that runs it."""
+        found: dict[tuple[str, str], tuple[int, Choice]] = {}
+        for m, choice in self.choices.items():
+            if choice.key is not None:
+                found.setdefault(choice.key, (m, choice))
+        return found
+
+    def lookup(self, num_tokens: int) -> tuple[Choice, int | None]:
+        """The choice for ``num_tokens`` (its nearest bucket in the table), and its own bucket
+        when the table has no served row for it (``record`` mode tunes those), else None."""
+        hit = self._memo.get(num_tokens)
+        if hit is None:
+            own = bucket_of(num_tokens)
+            choice = self.choices[nearest(num_tokens, self._points)] if self._points else _MISS
+            hit = self._memo[num_tokens] = (choice, None if own in self._tuned else own)
+        return hit
+
+    def summary(self) -> str:
+        """One line: each bucket and what runs there."""
+        if not self.choices:
+            return "no table rows (vLLM's own kernel)"
+        return ", ".join(f"M={m} {c.label()}" for m, c in self.choices.items())

