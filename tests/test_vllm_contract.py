@@ -195,3 +195,21 @@ def test_hooked_real_cpu_experts_run_winners_on_a_copy_and_vllm_on_its_prepacked
             x, topk_weights, topk_ids)
         torch.testing.assert_close(out, want, rtol=1e-4, atol=1e-5)
     assert next(iter(state.counts.values())) == {"hit": 3, "miss": 0, "fallback": 0}
+
+
+def test_isa_specific_cpu_experts_inherit_the_hooked_methods():
+    """vLLM picks an ISA-specific subclass of ``CPUUnquantizedExperts`` where it can; the hook
+    patches the base class, so the subclasses must not define their own ``apply`` or loading,
+    and ``runtime/kernels/vllm_cpu_experts.py`` reads these attributes to pick as vLLM does."""
+    *specific, portable = classes.cpu_experts(*classes.CPU_UNQUANTIZED)
+    assert portable is SPECS["CPUUnquantizedExperts"].load()
+    for cls in specific:
+        assert issubclass(cls, portable)
+        assert not {"apply", "process_weights_after_loading"} & cls.__dict__.keys(), cls
+    for cls in (*specific, portable):
+        assert isinstance(cls.isa, str) and cls.output_alignment > 0 < cls.reduction_alignment
+        assert isinstance(cls._supports_current_device(), bool)
+        assert cls._supports_activation(MoEActivation.SILU)
+    for cls in classes.cpu_experts("CPUExpertsFp8", "CPUExpertsFp8W8A8"):
+        assert isinstance(cls._supports_current_device(), bool)
+        assert cls._supports_activation(MoEActivation.SILU)

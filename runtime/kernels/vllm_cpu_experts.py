@@ -25,6 +25,7 @@ import torch
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+from moetune.runtime.vllm.classes import CPU_UNQUANTIZED, IncompatibleVllm, cpu_experts
 
 _OPS = ("cpu_fused_moe", "prepack_moe_weight")
 _FP8_OPS = ("fused_experts_cpu", "convert_weight_packed")
@@ -154,10 +155,8 @@ def _vllm() -> tuple[SimpleNamespace | None, str | None]:
     if missing:
         return None, f"vLLM's CPU ops {', '.join(missing)} are not registered"
     try:
-        # vLLM's order of preference (fused_moe/oracle/unquantized.py), the portable path last.
-        classes = (cpu_moe.X86CPUUnquantizedExperts, cpu_moe.ArmCPUUnquantizedExperts,
-                   cpu_moe.PowerCPUUnquantizedExperts, cpu_moe.CPUUnquantizedExperts)
-    except AttributeError as e:
+        classes = cpu_experts(*CPU_UNQUANTIZED)
+    except IncompatibleVllm as e:
         return None, f"vLLM's CPU experts classes differ from what moetune knows ({e})"
     return SimpleNamespace(ops=ops, classes=classes, portable=classes[-1], cpu_moe=cpu_moe,
                            activation=MoEActivation, has_zentorch_op=has_zentorch_op), None
@@ -207,7 +206,7 @@ def _fp8_experts_class(dtype: DType, activation: str, gated: bool,
     if vllm is None:
         return None, why
     try:
-        cls, w8a8 = vllm.cpu_moe.CPUExpertsFp8, vllm.cpu_moe.CPUExpertsFp8W8A8
+        cls, w8a8 = cpu_experts("CPUExpertsFp8", "CPUExpertsFp8W8A8")
         if not cls._supports_current_device():
             return None, "vLLM's CPUExpertsFp8 needs an x86 CPU with AMX; this one has none"
         if w8a8._supports_current_device():

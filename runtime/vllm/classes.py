@@ -74,6 +74,19 @@ CUDA_SPECS = (TRITON,)
 ROCM_SPECS = (ExpertsSpec(_EXPERTS + "rocm_aiter_moe", "AiterExperts", Held.AITER_SHUFFLED),
               TRITON)
 ALL_SPECS = CPU_SPECS + CUDA_SPECS + ROCM_SPECS[:1]
+#: vLLM's unquantized CPU experts in the order its oracle tries them, the portable one last:
+#: the ISA-specific ones subclass ``CPUUnquantizedExperts`` and inherit its hooked methods.
+CPU_UNQUANTIZED = ("X86CPUUnquantizedExperts", "ArmCPUUnquantizedExperts",
+                   "PowerCPUUnquantizedExperts", "CPUUnquantizedExperts")
+
+
+def cpu_experts(*names: str) -> tuple[type, ...]:
+    """Classes of vLLM's CPU experts module, by name (``CPU_UNQUANTIZED``, a ``CPU_SPECS`` name).
+
+    Raises:
+        IncompatibleVllm: vLLM has no such class.
+    """
+    return tuple(ExpertsSpec(_EXPERTS + "cpu_moe", n, Held.CPU_PREPACKED).load() for n in names)
 
 
 def platform_specs() -> tuple[ExpertsSpec, ...]:
