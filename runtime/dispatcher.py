@@ -76,12 +76,16 @@ class Dispatcher:
 
     def __init__(self, sku: SKU, status: TableStatus, entries: dict[Shape, list[_Entry]],
                  registry: Registry = default_registry,
-                 faults: dict[Shape, dict[int, str]] | None = None) -> None:
+                 faults: dict[Shape, dict[int, str]] | None = None,
+                 stale: dict[Shape, dict[int, str]] | None = None) -> None:
         self.sku = sku
         self.status = status
         self.registry = registry
         self._entries = entries
         self._faults = faults or {}
+        self._refused = {shape: {**(stale or {}).get(shape, {}), **rows}
+                         for shape, rows in self._faults.items()} | {
+            shape: rows for shape, rows in (stale or {}).items() if shape not in self._faults}
         self._points = {shape: [e.num_tokens for e in rows] for shape, rows in entries.items()}
         self._memo: dict[MoEProblem, Selection] = {}
 
@@ -101,12 +105,12 @@ class Dispatcher:
         reason = _foreign(snapshot, sku, check_environment)
         if reason:
             return cls(sku, TableStatus(str(path), False, reason), {}, registry)
-        entries, rejected, faults, faulty = _entries(snapshot, sku, registry)
+        entries, rejected, faults, faulty, stale = _entries(snapshot, sku, registry)
         rejected += tuple(snapshot.bad_rows)
         rows = sum(len(v) for v in entries.values())
         status = TableStatus(str(path), True, f"{rows} rows for {sku.label()}", rows, rejected,
                              faulty)
-        return cls(sku, status, entries, registry, faults)
+        return cls(sku, status, entries, registry, faults, stale)
 
     def select(self, problem: MoEProblem, layout: WeightLayout = WeightLayout.PLAIN) -> Selection:
         """The kernel for ``problem``: memoized, deterministic per problem."""
@@ -138,7 +142,11 @@ class Dispatcher:
         if not self.status.usable:
             why = f"table not used: {self.status.reason}"
         elif not points:
-            why = "shape not in table"
+            refused = self._refused.get(problem.shape)
+            first = min(refused) if refused else None
+            why = "shape not in table" if first is None else (
+                f"the table's {len(refused)} rows for this shape are not served here (M={first}: "
+                f"{refused[first]})")
         else:
             rows = self._entries[problem.shape]
             chosen = rows[bisect.bisect_left(points, nearest(problem.num_tokens, points))]
@@ -169,14 +177,17 @@ def _foreign(snapshot: TableSnapshot, sku: SKU, check_environment: bool) -> str 
 
 
 def _entries(snapshot: TableSnapshot, sku: SKU, registry: Registry) -> tuple[
-        dict[Shape, list[_Entry]], tuple[str, ...], dict[Shape, dict[int, str]], tuple[str, ...]]:
+        dict[Shape, list[_Entry]], tuple[str, ...], dict[Shape, dict[int, str]], tuple[str, ...],
+        dict[Shape, dict[int, str]]]:
     """Rows this SKU can serve, grouped by shape and sorted by num_tokens; why the others
-    cannot (rows for other SKUs are neither); and the faulty ones among them, by bucket and
-    as messages (unreadable rows of ``snapshot.bad_winners`` included)."""
+    cannot (rows for other SKUs are neither); the faulty ones among them, by bucket and
+    as messages (unreadable rows of ``snapshot.bad_winners`` included); and the stale ones
+    by bucket."""
     entries: dict[Shape, list[_Entry]] = {}
     rejected: list[str] = []
     faults: dict[Shape, dict[int, str]] = {}
     faulty: list[str] = []
+    stale: dict[Shape, dict[int, str]] = {}
     for row in snapshot.rows:
         verdict = row_verdict(row, sku, registry)
         if verdict.other_sku:
@@ -185,6 +196,9 @@ def _entries(snapshot: TableSnapshot, sku: SKU, registry: Registry) -> tuple[
             rejected.append(f"bucket {row.bucket}: {verdict.reason}")
             if not verdict.stale:
                 _fault(faults, faulty, row.bucket, verdict.problem, verdict.reason)
+            elif verdict.problem is not None:
+                stale.setdefault(verdict.problem.shape, {})[verdict.problem.num_tokens] = \
+                    verdict.reason
             continue
         entries.setdefault(verdict.problem.shape, []).append(
             _Entry(verdict.problem.num_tokens, verdict.selection))
@@ -198,7 +212,7 @@ def _entries(snapshot: TableSnapshot, sku: SKU, registry: Registry) -> tuple[
             _fault(faults, faulty, bucket, problem, reason)
     for rows in entries.values():
         rows.sort(key=lambda e: e.num_tokens)
-    return entries, tuple(rejected), faults, tuple(faulty)
+    return entries, tuple(rejected), faults, tuple(faulty), stale
 
 
 def _fault(faults: dict[Shape, dict[int, str]], faulty: list[str], bucket: dict[str, Any],

@@ -127,3 +127,31 @@ def test_lookup_defaults_to_the_shipped_table_for_this_device(tiny_table, cpu_sk
     shutil.copy(tiny_table, dispatcher.shipped_table(cpu_sku))
     shipped = invoke(*args)
     assert "source:  table" in shipped.output and str(tmp_path) in shipped.output
+
+
+def test_show_and_lookup_say_why_a_row_is_not_served_here(tmp_path, monkeypatch):
+    """The shipped H200 table seen from this machine: every row for another SKU; and on an
+    H200 whose rule none of the rows was timed against, lookup names the stale row."""
+    import sqlite3
+
+    from moetune.runtime import dispatcher
+
+    shipped = dispatcher.TABLES_DIR / "nvidia_H200.db"
+    rows = [json.loads(line) for line in
+            invoke("show", shipped, "--json", "--device", "cpu").output.strip().splitlines()]
+    assert len(rows) == 90 and not any(r["served"] for r in rows)
+    assert all("this device is cpu:" in r["served_reason"] for r in rows)
+    assert "no: for nvidia:H200" in invoke("show", shipped, "--device", "cpu").output
+    path = tmp_path / "h200.db"
+    path.write_bytes(shipped.read_bytes())
+    with sqlite3.connect(path) as con:  # rows timed against configs no vLLM picks here
+        con.execute("""UPDATE winner SET baselines = '{"variants":[]}'""")
+        con.execute("UPDATE sku SET vendor = 'cpu', name = ?, arch = ?",
+                    (detect_sku("cpu").name, detect_sku("cpu").arch))
+    monkeypatch.setattr("moetune.runtime.dispatcher._foreign", lambda *a: None)
+    shown = invoke("show", path, "--device", "cpu").output
+    assert "no: stale" in shown and "re-tune this bucket" in shown
+    looked = invoke("lookup", "--table", path, "--preset", "mixtral-8x7b", "--num-tokens", 64,
+                    "--device", "cpu").output
+    assert "source:  rule" in looked and "18 rows for this shape are not served here" in looked
+    assert "re-tune this bucket" in looked

@@ -1,6 +1,7 @@
 """The dispatcher: table hits, nearest buckets within a shape, and never crashing on a table."""
 
 import dataclasses
+import json
 import importlib.util
 import sqlite3
 from pathlib import Path
@@ -10,8 +11,10 @@ import pytest
 from moetune.db import read_winners
 from moetune.runtime.dispatcher import Dispatcher
 from moetune.runtime.platform import SKU, Vendor
-from moetune.runtime.problem import MoEProblem
+from moetune.runtime.kernels.triton_config import vllm_default_config
+from moetune.runtime.problem import DEFAULT_BUCKETS, MoEProblem
 from moetune.runtime.registry import default_registry
+from moetune.runtime.rules import rule_choice
 from moetune.tuner.presets import preset
 
 TINY = preset("tiny").shape
@@ -107,33 +110,82 @@ def _shipped_h200() -> tuple[Path, SKU]:
             SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30))
 
 
-def test_shipped_h200_table_serves_mixtral_and_deepseek_where_its_baseline_is_the_rule(
-        monkeypatch):
-    """Tuned on an H200 without vLLM's tuned files, against vLLM's default config: where that
-    is the rule (no vLLM files here), every row serves."""
-    from moetune.runtime import vllm_configs
+SHIPPED_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3",
+                   "llama-4-maverick")
 
-    monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)
-    shipped, h200 = _shipped_h200()
-    d = Dispatcher.load(shipped, h200, check_environment=False)  # measured under CUDA 13
-    assert d.status.usable and d.status.rows >= 24 and not d.status.rejected_rows
-    aiter_triton = {"aiter_triton", "aiter_triton_silu_fused", "aiter_triton_silu_fused_persistent"}
-    for name in ("mixtral-8x7b", "deepseek-v3"):  # every tuned bucket of both, 4096 included
+
+def _assert_serves_every_preset_bucket(d: Dispatcher, h200: SKU) -> None:
+    assert d.status.usable and d.status.rows == 90 and not d.status.rejected_rows
+    for name in SHIPPED_PRESETS:
         shape = preset(name).shape
-        picks = [d.select(shape.problem(m)) for m in (1, 300, 4096, 5000)]
-        assert all(s.source == "table" and s.kernel in aiter_triton for s in picks), picks
-    # The table's winners are registered kernels that a layer of that bucket may run.
-    assert all(default_registry.get(r.kernel).supports(MoEProblem.from_row(r.bucket), h200)[0]
-               for r in read_winners(shipped).rows)
+        assert d.buckets(shape) == DEFAULT_BUCKETS, name
+        for m in DEFAULT_BUCKETS:
+            pick = d.select(shape.problem(m))
+            assert pick.source == "table" and pick.bucket == m, (name, m, pick)
+            kernel = default_registry.get(pick.kernel)
+            assert kernel.supports(shape.problem(m), h200)[0]
+            assert kernel.validate(pick.params) == pick.params
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_tuned_rows_are_not_used_where_the_rule_is_no_longer_their_baseline():
-    """vLLM ships tuned H200 files for both shapes: its rule is then that file's config, and
-    a row timed against the default config proves nothing against it."""
+def test_shipped_h200_table_serves_every_preset_bucket_with_vllms_configs_as_the_rule(monkeypatch):
+    """Tuned on the H200 against vLLM's own tuned files (the configs folder vLLM ships): with
+    them as the rule, every bucket of the five presets is served from the table, and where
+    the winner did not beat vLLM's pick, that pick is what runs."""
+    from moetune.runtime import vllm_configs
+
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(vllm_configs.shipped_folder()))
+    shipped, h200 = _shipped_h200()
+    d = Dispatcher.load(shipped, h200, check_environment=False)  # measured under CUDA 13
+    _assert_serves_every_preset_bucket(d, h200)
+    rule = rule_choice(preset("mixtral-8x7b").shape.problem(64), h200)
+    assert "E=8,N=14336,device_name=NVIDIA_H200.json" in rule.reason
+
+
+def test_shipped_h200_table_also_serves_where_vllm_has_no_tuned_file(monkeypatch):
+    """The same rows were timed against vLLM's default config too: a vLLM without tuned
+    files (rule = its default config) is served by the same table."""
+    from moetune.runtime import vllm_configs
+
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
+    monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)
     shipped, h200 = _shipped_h200()
     d = Dispatcher.load(shipped, h200, check_environment=False)
-    assert d.status.usable and d.status.rows == 0 and len(d.status.rejected_rows) >= 24
-    assert all("re-tune this bucket" in r for r in d.status.rejected_rows)
-    pick = d.select(preset("mixtral-8x7b").shape.problem(64))
-    assert pick.source == "rule" and "E=8,N=14336,device_name=NVIDIA_H200.json" in pick.reason
+    _assert_serves_every_preset_bucket(d, h200)
+    assert "default config" in rule_choice(preset("qwen3-30b-a3b").shape.problem(64), h200).reason
+
+
+def test_rows_are_stale_where_todays_rule_is_not_among_their_baselines(monkeypatch, tmp_path):
+    """A row that was never timed against the rule here proves nothing against it: not served,
+    the reason says re-tune; one whose winner lost to today's rule serves the rule's pick."""
+    from moetune.runtime import vllm_configs
+
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
+    monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)  # rule: default config
+    shipped, h200 = _shipped_h200()
+    path = tmp_path / "h200.db"
+    path.write_bytes(shipped.read_bytes())
+    mixtral = ("(SELECT id FROM bucket WHERE hidden_size = 4096 AND intermediate_size = 14336 "
+               "AND num_tokens = {})")
+    with sqlite3.connect(path) as con:
+        for m in (64, 128):
+            variants = json.loads(con.execute(
+                f"SELECT baselines FROM winner WHERE bucket_id = {mixtral.format(m)}"
+            ).fetchone()[0])["variants"]
+            default = [v for v in variants if v["params"] == vllm_default_config(
+                preset("mixtral-8x7b").shape.problem(m))]
+            assert len(default) == 1
+            if m == 64:  # never timed against the default config
+                variants.remove(default[0])
+            else:  # timed, and the winner did not beat it
+                default[0]["beaten"] = False
+            con.execute("UPDATE winner SET baselines = ? WHERE bucket_id = "
+                        f"{mixtral.format(m)}", (json.dumps({"variants": variants}),))
+    d = Dispatcher.load(path, h200, check_environment=False)
+    shape = preset("mixtral-8x7b").shape
+    assert len(d.status.rejected_rows) == 1 and "re-tune this bucket" in d.status.rejected_rows[0]
+    assert 64 not in d.buckets(shape)
+    kept = d.select(shape.problem(128))
+    rule = rule_choice(shape.problem(128), h200)
+    assert kept.source == "table" and kept.rule_pick
+    assert (kept.kernel, kept.params) == (rule.kernel, rule.params)

@@ -139,7 +139,7 @@ def tune(
 
         progress.update(task, description=problems[0].describe() if problems else "")
         outcomes = run_job(problems, output, sku, opts, on_bucket=on_bucket, on_trial=on_trial)
-    out.print(report.winners_table(db.read_winners(output)))
+    out.print(report.winners_table(db.read_winners(output), sku))
     failed = [o for o in outcomes if o.error]
     if failed:
         raise MoetuneError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
@@ -172,14 +172,17 @@ def _gpus(count: int, device: str, sku: SKU) -> tuple[str, ...]:
 @_errors_to_exit
 def show(table: Annotated[str, typer.Argument(help="Table file or database URL")],
          as_json: Annotated[bool, typer.Option("--json", help="One JSON object per "
-                                               "winner row")] = False) -> None:
-    """Print a table's winners: bucket, kernel, params, time, speedup, error."""
+                                               "winner row")] = False,
+         device: DeviceOpt = Device.auto) -> None:
+    """Print a table's winners: bucket, kernel, params, time, speedup, error, and whether
+    serving on this device would use each row (and why not: stale baseline, other SKU, ...)."""
     snapshot = db.read_winners(table)
+    sku = detect_sku(device.value)
     if as_json:
-        for row in report.winner_dicts(snapshot):
+        for row in report.winner_dicts(snapshot, sku):
             typer.echo(json.dumps(row, sort_keys=True))
         return
-    out.print(report.winners_table(snapshot))
+    out.print(report.winners_table(snapshot, sku))
 
 
 @app.command()

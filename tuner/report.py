@@ -8,7 +8,7 @@ from typing import Any
 from rich.table import Table
 
 from moetune import db
-from moetune.runtime.dispatcher import Dispatcher, Selection
+from moetune.runtime.dispatcher import Dispatcher, Selection, row_verdict
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
@@ -16,34 +16,82 @@ from moetune.runtime.rules import rule_choice
 from moetune.tuner.job import BucketOutcome
 
 
-def winner_dicts(snapshot: db.TableSnapshot) -> list[dict[str, Any]]:
-    """One flat dict per winner row (``moetune show --json``)."""
+def winner_dicts(snapshot: db.TableSnapshot, sku: SKU) -> list[dict[str, Any]]:
+    """One flat dict per winner row (``moetune show --json``), with whether serving on ``sku``
+    uses it (``served``) and why (``served_reason``); unreadable rows have ``bad_row``."""
     rows = []
     for r in snapshot.rows:
+        verdict = row_verdict(r, sku)
         rows.append({**r.bucket, "sku": r.sku["name"], "arch": r.sku["arch"],
                      "kernel": r.kernel, "params": r.params, "median_us": r.median_us,
                      "p20_us": r.p20_us, "p80_us": r.p80_us, "error": r.error,
                      "baseline_kernel": r.baseline_kernel, "baseline_params": r.baseline_params,
                      "baseline_us": r.baseline_us, "speedup": r.speedup, "run_id": r.run_id,
-                     "source": r.source})
-    return rows
+                     "source": r.source, "baselines": list(r.baselines),
+                     "served": verdict.selection is not None, "served_reason": verdict.reason})
+    return rows + [{"bad_row": bad, "served": False, "served_reason": bad}
+                   for bad in snapshot.bad_rows]
 
 
-def winners_table(snapshot: db.TableSnapshot) -> Table:
+def winners_table(snapshot: db.TableSnapshot, sku: SKU) -> Table:
     skus = ", ".join(f"{s['vendor']}:{s['name']} ({s['arch']})" for s in snapshot.skus)
-    table = Table(title=f"{snapshot.path} — {skus or 'empty'}")
+    table = Table(title=f"{snapshot.path} — {skus or 'empty'}; served here ({sku.label()})?")
     for col in ("shape", "tokens", "winner", "params", "time us", "baseline", "base us",
-                "speedup", "rel err"):
+                "speedup", "rel err", "served here"):
         table.add_column(col, justify="right" if col in ("tokens", "time us", "base us",
                                                          "speedup", "rel err") else "left")
     for r in sorted(snapshot.rows, key=lambda r: (_shape_label(r.bucket), r.bucket["num_tokens"])):
+        verdict = row_verdict(r, sku)
+        served = "yes" if verdict.selection is not None else f"[red]no[/red]: {verdict.reason}"
         table.add_row(_shape_label(r.bucket), str(r.bucket["num_tokens"]), r.kernel,
                       json.dumps(r.params, sort_keys=True) if r.params else "-",
                       _num(r.median_us, ".1f"), r.baseline_kernel, _num(r.baseline_us, ".1f"),
-                      _num(r.speedup, ".2f", "x"), _num(r.error, ".1e"))
+                      _num(r.speedup, ".2f", "x"), _num(r.error, ".1e"), served)
     for bad in snapshot.bad_rows:
-        table.add_row("[red]rejected[/red]", "", bad, "", "", "", "", "", "")
+        table.add_row("[red]rejected[/red]", "", bad, "", "", "", "", "", "", "[red]no[/red]")
     return table
+
+
+def speedup_markdown(snapshot: db.TableSnapshot, sku: SKU) -> str:
+    """Per shape and bucket: the winner, each rule variant it was timed against (vLLM's
+    tuned-file pick and its default config on CUDA) with the speedup over it, and whether
+    serving on ``sku`` uses the row. The results page of a tuning run."""
+    lines = []
+    rows = sorted(snapshot.rows, key=lambda r: (_shape_label(r.bucket), r.bucket["num_tokens"]))
+    for label in dict.fromkeys(_shape_label(r.bucket) for r in rows):
+        shape_rows = [r for r in rows if _shape_label(r.bucket) == label]
+        lines += [f"### {label}", "",
+                  "| M | winner | us | vLLM's pick here | its us | speedup (round ratios) | "
+                  "other variants: us, speedup | served |",
+                  "|---|---|---|---|---|---|---|---|"]
+        gains = []
+        for r in shape_rows:
+            problem = MoEProblem.from_row(r.bucket)
+            rule = rule_choice(problem, sku)
+            pick = next((b for b in r.baselines if b["kernel"] == rule.kernel
+                         and b["params"] == rule.params), None)
+            others = [b for b in r.baselines if b is not pick]
+            verdict = row_verdict(r, sku)
+            if pick is not None and pick.get("median_us") and r.median_us:
+                gains.append(pick["median_us"] / r.median_us)
+            lines.append("| {} | {} | {} | {} | {} | {} | {} | {} |".format(
+                r.bucket["num_tokens"], r.kernel, _num(r.median_us, ".1f"),
+                rule.reason.split(" with ")[-1],
+                _num(pick and pick.get("median_us"), ".1f"),
+                "-" if pick is None or not r.median_us else
+                f"{pick['median_us'] / r.median_us:.3f}x ({pick.get('ratio_lo', 0):.3f}-"
+                f"{pick.get('ratio_hi', 0):.3f})",
+                "; ".join(f"{b['median_us']:.1f}, {b['median_us'] / r.median_us:.3f}x"
+                          for b in others if b.get("median_us") and r.median_us) or "-",
+                "yes" if verdict.selection is not None else f"no: {verdict.reason}"))
+        if gains:
+            geo = 1.0
+            for g in gains:
+                geo *= g
+            lines += ["", f"Geomean speedup over vLLM's pick: {geo ** (1 / len(gains)):.3f}x "
+                          f"over {len(gains)} buckets (min {min(gains):.3f}x, max "
+                          f"{max(gains):.3f}x).", ""]
+    return "\n".join(lines)
 
 
 def _shape_label(b: dict[str, Any]) -> str:
