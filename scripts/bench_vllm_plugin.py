@@ -100,7 +100,7 @@ def hook_cost(llm, prompts, params) -> dict[str, float]:
         without.append(timeit.timeit(lambda: original(experts, **kwargs), number=n) / n)
     step = experts.__dict__[hook._ATTR].steps[BATCH]
     return {"calls": calls, "hooked_us": min(with_hook) * 1e6, "vllm_us": min(without) * 1e6,
-            "step": "moetune kernel" if step.fn is not None else f"vLLM's apply ({step.kind.value})"}
+            "step": "moetune kernel" if step.fn is not None else f"vLLM's apply ({step.counter})"}
 
 
 def engine(model: Path, out: Path, compiled: bool, **env: str) -> dict:

@@ -127,10 +127,12 @@ def _announce(state: PluginState, spec: ExpertsSpec, label: str, layer: Layer,
               copied: bool) -> None:
     """The startup line of each distinct (shape, weight layout): what vLLM holds, what moetune
     kernels run on, and what each bucket runs."""
-    if layer.weights is None:
-        runs_on = "no moetune kernel runs on them"
-    else:
+    if layer.weights is not None:
         runs_on = "moetune kernels run on a plain copy" if copied else "moetune kernels use them"
+    elif layer.plan is not None and layer.plan.runs_moetune:
+        runs_on = "no moetune kernel can run on them (those buckets fall back)"
+    else:
+        runs_on = "vLLM's own kernel serves every bucket (no copy kept)"
     plan = layer.plan.summary() if layer.plan is not None else "vLLM's own kernel"
     state.announce((label, spec.name, spec.held.value, runs_on),
                    "moetune: %s layers %s: vLLM holds %s weights, %s; %s (pid %d)", spec.name,
