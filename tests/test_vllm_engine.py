@@ -3,11 +3,13 @@
 Each scenario runs ``tests/vllm_driver.py`` in a fresh process (vLLM reads the MOETUNE_* settings
 once per process) and compares greedy outputs with a run where the plugin is off. The models are
 float32, so moetune's torch kernels and vLLM's CPU kernel agree to ~1e-6: the tokens must be the
-same and every chosen token's logprob within ``LOGPROB_TOL``.
+same and every chosen token's logprob within ``LOGPROB_TOL``. fp8 models run in bfloat16 (see
+``BF16_LOGPROB_TOL``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -18,10 +20,12 @@ from typing import Any
 
 import pytest
 
-from moetune.runtime.problem import MoEProblem
+from moetune.runtime.kernels.vllm_cpu_experts import VllmCpuExpertsKernel
+from moetune.runtime.problem import MoEProblem, QuantScheme
 from moetune.runtime.rules import rule_choice
+from moetune.tuner.job import JobOptions, run_job
 
-from tests.vllm_tables import model_shape, tiny_model, write_winners
+from tests.vllm_tables import fp8_block_model, model_shape, tiny_model, write_winners
 
 pytestmark = [
     pytest.mark.vllm,
@@ -54,14 +58,15 @@ class Run:
 
 
 def run_engine(model: Path, workdir: Path, *, in_process: bool = True, compile_model: bool = False,
-               **env: str) -> Run:
+               dtype: str = "float32", quantization: str | None = None, **env: str) -> Run:
     workdir.mkdir(parents=True, exist_ok=True)
     out = workdir / "result.json"
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("MOETUNE_")}
     full_env.update(VLLM_CPU_KVCACHE_SPACE="1", MOETUNE_STATS=str(workdir / "stats-{pid}.json"),
                     **env)
     args = [sys.executable, str(DRIVER), str(model), str(out)]
-    args += ["--in-process"] * in_process + ["--compile"] * compile_model
+    args += ["--in-process"] * in_process + ["--compile"] * compile_model + ["--dtype", dtype]
+    args += ["--quantization", quantization] if quantization else []
     proc = subprocess.run(args, env=full_env, cwd=workdir, capture_output=True, text=True,
                           check=False, timeout=400)
     result = json.loads(out.read_text()) if out.exists() else None
@@ -69,11 +74,11 @@ def run_engine(model: Path, workdir: Path, *, in_process: bool = True, compile_m
     return Run(proc.returncode, proc.stdout + proc.stderr, result, stats)
 
 
-def assert_same_generation(run: Run, baseline: Run) -> None:
+def assert_same_generation(run: Run, baseline: Run, tol: float = LOGPROB_TOL) -> None:
     assert run.rc == 0, run.log[-3000:]
     assert run.result["tokens"] == baseline.result["tokens"]
     for got, want in zip(run.result["logprobs"], baseline.result["logprobs"]):
-        assert max(abs(a - b) for a, b in zip(got, want)) < LOGPROB_TOL
+        assert max(abs(a - b) for a, b in zip(got, want)) < tol
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +169,6 @@ def test_corrupt_table_keeps_serving_with_one_warning(models, baselines, tmp_pat
 
 
 def test_strict_refuses_a_table_for_another_sku(models, tmp_path, cpu_sku):
-    import dataclasses
-
     other = dataclasses.replace(cpu_sku, name="SOME_OTHER_CPU")
     table = write_winners(tmp_path / "other.db", model_shape(models["mixtral"]), (4,),
                           "torch_grouped", sku=other)
@@ -190,3 +193,95 @@ def test_record_appends_missed_buckets(models, baselines, tmp_path):
     buckets = {p.num_tokens for p in problems}
     # The 4 prompts (37 tokens) are prefilled together; decode steps run 4 tokens, tuned.
     assert 32 in buckets and 4 not in buckets
+
+
+# --- fp8 -------------------------------------------------------------------------------------
+# vLLM serves fp8 checkpoints with bfloat16 or float16 activations only (Fp8Config and its
+# online methods refuse float32), so these runs are bfloat16: moetune's kernels and vLLM's
+# differ by bfloat16 rounding inside the MoE, hence a looser logprob bound than float32's.
+BF16_LOGPROB_TOL = 5e-2
+
+
+def fp8_moetune_run(model: Path, workdir: Path, shape: Any, quantization: str | None = None,
+                    table: Path | None = None) -> Run:
+    """The model served with a table whose winners are moetune kernels (torch_loop up to 32
+    tokens, torch_grouped above), neither of them the CPU rule's pick here for fp8."""
+    if table is None:
+        table = write_winners(workdir / "t.db", shape, HIT_BUCKETS[:5], "torch_loop")
+        write_winners(table, shape, HIT_BUCKETS[5:], "torch_grouped")
+    return run_engine(model, workdir / "run", dtype="bfloat16", quantization=quantization,
+                      MOETUNE_TABLE=str(table))
+
+
+def assert_fp8_layers_ran_moetune(run: Run, shape: Any) -> None:
+    """Both layers described as fp8, served by moetune kernels on vLLM's scales: every call a
+    hit, the plain copy kept, and the startup line naming the kernels each bucket runs."""
+    worker = run.worker_stats
+    assert worker["layers"] == 2
+    (label,) = worker["counters"]
+    assert shape.quant.value in label and "not handled" not in label, worker["counters"]
+    counts = worker["counters"][label]
+    assert counts["hit"] > 0 and counts["miss"] == counts["fallback"] == 0
+    lines = [ln for ln in run.moetune_lines("INFO") if label in ln and "layers" in ln]
+    assert lines and all("torch_loop" in ln and "torch_grouped" in ln for ln in lines), lines
+
+
+def test_online_fp8_quantized_mixtral_runs_moetune_kernels(models, tmp_path, cpu_sku):
+    """``LLM(quantization="fp8")``: vLLM quantizes the float32 checkpoint's experts to fp8 per
+    tensor at load (its online ``fp8_per_tensor`` method) and serves them in bfloat16."""
+    baseline = run_engine(models["mixtral"], tmp_path / "off", dtype="bfloat16",
+                          quantization="fp8", MOETUNE_MODE="off")
+    if baseline.rc != 0:
+        errors = [ln for ln in baseline.log.splitlines() if "Error" in ln]
+        pytest.skip(f"vLLM cannot serve online fp8 MoE on this CPU: {errors[-1:]}")
+    shape = dataclasses.replace(model_shape(models["mixtral"], "bfloat16"),
+                                quant=QuantScheme.FP8_PER_TENSOR)
+    run = fp8_moetune_run(models["mixtral"], tmp_path, shape, quantization="fp8")
+    assert_same_generation(run, baseline, BF16_LOGPROB_TOL)
+    assert_fp8_layers_ran_moetune(run, shape)
+
+
+@pytest.fixture(scope="module")
+def fp8_block(tmp_path_factory) -> Path:
+    return fp8_block_model(tmp_path_factory.mktemp("models") / "mixtral_fp8_block")
+
+
+@pytest.fixture
+def serves_block_fp8(fp8_block, cpu_sku) -> None:
+    """vLLM serves block fp8 on the CPU with CPUExpertsFp8 (x86 AMX), which moetune keeps a
+    plain copy of the weights for; elsewhere it has no kernel (or packs for W8A8), say why."""
+    shape = model_shape(fp8_block, "bfloat16")
+    ok, why = VllmCpuExpertsKernel.supports(shape.problem(1), cpu_sku)
+    if not ok:
+        pytest.skip(f"vLLM does not serve block-fp8 MoE with CPUExpertsFp8 here: {why}")
+
+
+def test_block_fp8_checkpoint_runs_moetune_kernels_on_vllms_scales(fp8_block, tmp_path,
+                                                                   serves_block_fp8):
+    """A DeepSeek-V3-format checkpoint (fp8 e4m3 experts, ``weight_scale_inv`` per 128x128
+    block): moetune reads the scheme from the layer's quant config and runs its kernels on a
+    plain copy of the fp8 weights with vLLM's own block scales."""
+    shape = model_shape(fp8_block, "bfloat16")
+    assert shape.quant is QuantScheme.FP8_BLOCK_128X128
+    baseline = run_engine(fp8_block, tmp_path / "off", dtype="bfloat16", MOETUNE_MODE="off")
+    assert baseline.rc == 0, baseline.log[-3000:]
+    run = fp8_moetune_run(fp8_block, tmp_path, shape)
+    assert_same_generation(run, baseline, BF16_LOGPROB_TOL)
+    assert_fp8_layers_ran_moetune(run, shape)
+    experts = shape.num_experts * 3 * shape.intermediate_size * shape.hidden_size  # fp8 bytes
+    assert run.worker_stats["plain_copy_bytes"] == 2 * experts
+
+
+def test_block_fp8_table_tuned_here_is_served(fp8_block, tmp_path, cpu_sku, serves_block_fp8):
+    """The real tuner on this CPU for the checkpoint's shape (``moetune tune --config``'s
+    library call): whatever wins each bucket serves it, vLLM's own kernel or moetune's."""
+    shape = model_shape(fp8_block, "bfloat16")
+    table = tmp_path / "tuned.db"
+    outcomes = run_job([shape.problem(m) for m in (1, 4, 32)], table, cpu_sku,
+                       JobOptions(device="cpu", trials=6, reps=5))
+    assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
+    baseline = run_engine(fp8_block, tmp_path / "off", dtype="bfloat16", MOETUNE_MODE="off")
+    run = run_engine(fp8_block, tmp_path / "run", dtype="bfloat16", MOETUNE_TABLE=str(table))
+    assert_same_generation(run, baseline, BF16_LOGPROB_TOL)
+    (counts,) = run.worker_stats["counters"].values()
+    assert counts["hit"] > 0 and counts["miss"] == counts["fallback"] == 0

@@ -101,3 +101,84 @@ def test_layers_moetune_does_not_cover_say_why(experts_cls, quant_config, why):
 def test_unquantized_layers_have_no_scales():
     experts = TritonExperts(moe_config(), vc.FusedMoEQuantConfig.make())
     assert weight_quant(experts, W13.float(), W2.float()) == (QuantScheme.NONE, None, "")
+
+
+# --- the hook on vLLM's real CPUExpertsFp8 ---------------------------------------------------
+@pytest.fixture
+def real_cpu_fp8(monkeypatch):
+    """vLLM's CPUExpertsFp8 and its fp8 packing function, hooked here and unhooked after.
+
+    vLLM's packing op (``convert_weight_packed``) is built for AMX CPUs only; where it is
+    missing, a packer that zeroes the weights stands in for it (so a kernel that read the
+    packed tensors would be wrong), and the real one runs everywhere else.
+    """
+    import importlib
+
+    from moetune.runtime.vllm import classes, prepack
+
+    spec = next(s for s in classes.CPU_SPECS if s.name == "CPUExpertsFp8")
+    cls = spec.load()
+    monkeypatch.setattr(cls, "apply", cls.__dict__["apply"])
+    module = importlib.import_module(prepack.MODULE)
+    packer = getattr(module, prepack.FUNCTION)
+    if not hasattr(torch.ops._C, "convert_weight_packed"):
+        def packer(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return torch.zeros_like(w13), torch.zeros_like(w2)
+    monkeypatch.setattr(module, prepack.FUNCTION, packer)
+    return spec, cls, module
+
+
+def load_layer(module, weights: MoEWeights) -> torch.nn.Module:
+    """What vLLM's fp8 method does for its CPU backend: pack, then ``replace_parameter``."""
+    from vllm.model_executor.utils import replace_parameter
+
+    from moetune.runtime.vllm import prepack
+
+    layer = torch.nn.Module()
+    layer.w13_weight = torch.nn.Parameter(weights.w13.clone(), requires_grad=False)
+    layer.w2_weight = torch.nn.Parameter(weights.w2.clone(), requires_grad=False)
+    packed13, packed2 = getattr(module, prepack.FUNCTION)(layer.w13_weight, layer.w2_weight)
+    replace_parameter(layer, "w13_weight", packed13)
+    replace_parameter(layer, "w2_weight", packed2)
+    return layer
+
+
+def test_cpu_fp8_winners_run_on_the_plain_copy_kept_while_vllm_packed(real_cpu_fp8, tmp_path,
+                                                                      cpu_sku):
+    from moetune.runtime.problem import Shape
+    from moetune.runtime.vllm import hook
+    from moetune.runtime.vllm.settings import Settings
+    from moetune.runtime.vllm.state import PluginState
+
+    from tests.vllm_tables import write_winners
+
+    spec, cls, module = real_cpu_fp8
+    shape = Shape(H, I, E, 2, "bfloat16", "fp8_block_128x128", "silu", True, False)
+    table = write_winners(tmp_path / "t.db", shape, (1, 8, 64), "torch_grouped", sku=cpu_sku)
+    other = Shape(H, 2 * I, E, 2, "bfloat16", "fp8_block_128x128", "silu", True, False)
+    state = PluginState(Settings(table=table))
+    assert hook.install(state, (spec,)) == ["CPUExpertsFp8"]
+    ours = make_weights(shape.problem(1), "cpu", seed=5)
+    unlisted = load_layer(module, make_weights(other.problem(1), "cpu", seed=6))
+    assert not hasattr(unlisted.w13_weight, "_moetune_plain")  # no row for its sizes: no copy
+    layer = load_layer(module, ours)
+    experts = cls(moe_config(), vc.fp8_w8a16_moe_quant_config(ours.w13_scale, ours.w2_scale,
+                                                             block_shape=[128, 128]))
+    for m in (1, 8, 64):
+        x = torch.randn(m, H, dtype=torch.bfloat16)
+        topk_weights = torch.rand(m, 2)
+        topk_ids = torch.stack([torch.randperm(E)[:2] for _ in range(m)]).to(torch.int32)
+        out = torch.empty(m, H, dtype=torch.bfloat16)
+        experts.apply(output=out, hidden_states=x, w1=layer.w13_weight, w2=layer.w2_weight,
+                      topk_weights=topk_weights, topk_ids=topk_ids,
+                      activation=MoEActivation.SILU, global_num_experts=E, expert_map=None,
+                      a1q_scale=None, a2_scale=None, workspace13=None, workspace2=None,
+                      expert_tokens_meta=None, apply_router_weight_on_input=False)
+        problem = shape.problem(m)
+        ref = default_registry.get("reference").prepare(problem, {}, ours)(x, topk_weights,
+                                                                         topk_ids)
+        assert relative_error(out, ref) <= tolerance(problem) / 4, m
+    assert state.counts == {"H=256 I=256 E=8 topk=2 bfloat16 fp8_block_128x128 silu":
+                            {"hit": 3, "miss": 0, "fallback": 0}}
+    assert state.plain_copy_bytes == ours.w13.numel() + ours.w2.numel()  # fp8: a byte each
+    assert not hasattr(layer.w13_weight, "_moetune_plain")  # taken off vLLM's parameter

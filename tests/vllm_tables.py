@@ -113,9 +113,8 @@ def fp8_block_model(directory: Path, dtype: str = "bfloat16") -> Path:
     return directory
 
 
-
-def model_shape(directory: Path) -> Shape:
-    """The MoE shape vLLM sees for the saved model in float32, read as ``--config`` reads it."""
+def model_shape(directory: Path, dtype: str = "float32") -> Shape:
+    """The MoE shape vLLM sees for the saved model in ``dtype``, read as ``--config`` reads it."""
     from moetune.tuner.presets import shape_from_config
 
-    return shape_from_config(directory / "config.json", dtype="float32")
+    return shape_from_config(directory / "config.json", dtype=dtype)

@@ -39,19 +39,22 @@ class ExpertsSpec:
 
     ``copy_at_load``: vLLM repacks the weights in the class's ``process_weights_after_loading``,
     so a plain copy is kept before it does (for layers that run a moetune kernel).
+    ``copy_at_pack``: vLLM's fp8 method packs them before the experts object exists
+    (``prepack.FUNCTION``); a plain copy is kept there (``prepack``), likewise.
     """
 
     module: str
     name: str
     held: Held
     copy_at_load: bool = False
+    copy_at_pack: bool = False
 
     @property
     def layout(self) -> WeightLayout | None:
         """The layout moetune kernels see in this class's layers, or None if they see none."""
         if self.held is Held.AITER_SHUFFLED:
             return WeightLayout.AITER_SHUFFLED
-        if self.held is Held.PLAIN or self.copy_at_load:
+        if self.held is Held.PLAIN or self.copy_at_load or self.copy_at_pack:
             return WeightLayout.PLAIN
         return None
 
@@ -65,8 +68,9 @@ class ExpertsSpec:
 
 CPU_SPECS = (
     ExpertsSpec(_EXPERTS + "cpu_moe", "CPUUnquantizedExperts", Held.CPU_PREPACKED, True),
-    # fp8 weights are packed by the quant method before the experts object exists.
-    ExpertsSpec(_EXPERTS + "cpu_moe", "CPUExpertsFp8", Held.CPU_PREPACKED),
+    # fp8 weights are packed by the quant method before the experts object exists; W8A16's
+    # packing (``prepack``) is where a plain copy is kept, W8A8's repacks scales too (none kept).
+    ExpertsSpec(_EXPERTS + "cpu_moe", "CPUExpertsFp8", Held.CPU_PREPACKED, copy_at_pack=True),
     ExpertsSpec(_EXPERTS + "cpu_moe", "CPUExpertsFp8W8A8", Held.CPU_PREPACKED),
 )
 TRITON = ExpertsSpec(_EXPERTS + "triton_moe", "TritonExperts", Held.PLAIN)

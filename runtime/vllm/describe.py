@@ -1,9 +1,9 @@
 """How moetune describes a vLLM MoE layer: its ``Shape``, or why it leaves the layer to vLLM.
 
 Reads the experts object's ``moe_config`` and ``quant_config`` (vLLM's ``FusedMoEConfig`` and
-``FusedMoEQuantConfig``), its biases and the weight tensors' shapes, as plain attributes (no
-``getattr`` defaults): an attribute vLLM renamed raises, and the hook leaves the layer to vLLM
-saying so.
+``FusedMoEQuantConfig``; the quant scheme and scales through ``quant.weight_quant``), its biases
+and the weight tensors' shapes, as plain attributes (no ``getattr`` defaults): an attribute vLLM
+renamed raises, and the hook leaves the layer to vLLM saying so.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from typing import Any
 
 import torch
 
-from moetune.runtime.problem import Activation, DType, QuantScheme, Shape
+from moetune.runtime.kernels.base import MoEWeights
+from moetune.runtime.problem import Activation, DType, Shape
+from moetune.runtime.vllm.quant import unsupported, weight_quant
 
 _DTYPES = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
            torch.bfloat16: DType.BFLOAT16}
@@ -26,7 +28,9 @@ def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor,
     """The layer's ``Shape``, or None and the reason moetune leaves it to vLLM."""
     cfg, qc = experts.moe_config, experts.quant_config
     if qc.is_quantized or qc.weight_quant_dtype is not None:
-        return None, f"quantized ({qc.weight_quant_dtype})"
+        why = unsupported(experts)
+        if why:
+            return None, why
     if experts.w1_bias is not None or experts.w2_bias is not None:
         return None, "expert biases"
     if qc.gemm1_alpha is not None or qc.gemm1_clamp_limit is not None:
@@ -41,10 +45,21 @@ def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor,
     inter = rows // 2 if act[1] else rows
     if tuple(w2.shape) != (experts_n, hidden, inter):
         return None, f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not match"
+    quant, _, why = weight_quant(experts, w13, w2)
+    if quant is None:
+        return None, why
     try:
         shape = Shape(hidden, inter, experts_n, int(cfg.experts_per_token), dtype,
-                      QuantScheme.NONE, act[0], act[1], bool(on_input))
+                      quant, act[0], act[1], bool(on_input))
         shape.problem(1)
     except Exception as e:  # noqa: BLE001 - a shape moetune cannot describe is not ours
         return None, str(e)
     return shape, ""
+
+
+def layer_weights(experts: Any, shape: Shape, w13: torch.Tensor,
+                  w2: torch.Tensor) -> MoEWeights:
+    """The weights moetune's kernels run for a layer ``describe`` gave ``shape``: ``w13`` and
+    ``w2`` with, for fp8, vLLM's own scales in moetune's layout (views, not copies)."""
+    _, scales, _ = weight_quant(experts, w13, w2)
+    return MoEWeights(w13, w2, shape.quant, *(scales or (None, None)))

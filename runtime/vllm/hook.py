@@ -25,11 +25,12 @@ from typing import Any
 
 import torch
 
-from moetune.runtime.kernels.base import MoEWeights, WeightLayout
-from moetune.runtime.vllm import op
+from moetune.runtime.kernels.base import WeightLayout
+from moetune.runtime.problem import QuantScheme
+from moetune.runtime.vllm import op, prepack
 from moetune.runtime.vllm.call import APPLY_PARAMS, LOAD_PARAMS, ApplyCall, op_args, wrap
 from moetune.runtime.vllm.classes import ExpertsSpec, check_method
-from moetune.runtime.vllm.describe import describe
+from moetune.runtime.vllm.describe import describe, layer_weights
 from moetune.runtime.vllm.layer import Layer
 from moetune.runtime.vllm.settings import Mode
 from moetune.runtime.vllm.state import PluginState, shape_label
@@ -54,9 +55,13 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
         check_method(cls, "apply", APPLY_PARAMS, _MARK)
         if spec.copy_at_load:
             check_method(cls, "process_weights_after_loading", LOAD_PARAMS, _MARK)
+        if spec.copy_at_pack:
+            prepack.check()
         found.append((cls, spec))
     capturing = _capture_probe()
     op.ensure_registered()
+    if any(spec.copy_at_pack for _, spec in found):
+        prepack.install(_plain_fp8_wanted(state))
     for cls, spec in found:
         if not getattr(cls.__dict__["apply"], _MARK, None):
             cls.apply = _wrap_apply(cls, spec, state, capturing)
@@ -64,6 +69,18 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
         if spec.copy_at_load and not getattr(load, _MARK, None):
             cls.process_weights_after_loading = _wrap_load(cls, spec, state)
     return [cls.__name__ for cls, _ in found]
+
+
+def _plain_fp8_wanted(state: PluginState) -> prepack.Wanted:
+    """Whether the table runs a moetune kernel on some block-fp8 shape of a layer's sizes:
+    its plain copy is then worth keeping while vLLM packs the weights."""
+    def wanted(experts: int, hidden: int, intermediate: int) -> bool:
+        return any((s.num_experts, s.hidden_size, s.intermediate_size, s.quant)
+                   == (experts, hidden, intermediate, QuantScheme.FP8_BLOCK_128X128)
+                   and state.plan(s, WeightLayout.PLAIN).runs_moetune
+                   for s in state.dispatcher().shapes())
+
+    return wanted
 
 
 def original(cls: type, method: str = "apply") -> Callable[..., Any]:
@@ -93,6 +110,9 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
         TableError: ``strict`` mode without a usable table (the only error that escapes).
     """
     state.dispatcher()  # strict mode refuses here, whatever the layer is
+    plain = prepack.take_plain(w13) if spec.copy_at_pack else None
+    if plain is not None:
+        w13, w2 = plain  # what vLLM packed: describe, and run on, the plain fp8 weights
     try:
         shape, why = describe(experts, w13, w2, on_input)
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
@@ -101,12 +121,14 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     plan = None if shape is None else state.plan(shape, spec.layout or WeightLayout.PLAIN)
     weights, copied = None, False
     if plan is not None and plan.runs_moetune and spec.layout is not None:
-        if not spec.copy_at_load:
-            weights = MoEWeights(w13, w2)
-        elif at_load:
-            weights, copied = MoEWeights(w13.detach().clone(), w2.detach().clone()), True
-            state.plain_copy_bytes += sum(t.numel() * t.element_size()
-                                          for t in (weights.w13, weights.w2))
+        if spec.copy_at_load and at_load:  # before vLLM repacks them
+            w13, w2, copied = w13.detach().clone(), w2.detach().clone(), True
+        elif spec.copy_at_pack:  # kept while vLLM packed them
+            copied = plain is not None
+        if copied or not (spec.copy_at_load or spec.copy_at_pack):
+            weights = layer_weights(experts, shape, w13, w2)
+        if copied:
+            state.plain_copy_bytes += sum(t.numel() * t.element_size() for t in (w13, w2))
     label = shape_label(shape) if shape is not None else f"not handled: {why}"
     apply = cls.__dict__["apply"]
     layer = Layer(label, plan, state.counter(label), weights, experts,

@@ -31,20 +31,24 @@ _PLAIN = "_moetune_plain"
 Wanted = Callable[[int, int, int], bool]
 
 
-def install(wanted: Wanted) -> None:
-    """Wrap vLLM's CPU fp8 packing once (idempotent).
+def check() -> None:
+    """Raises: IncompatibleVllm if vLLM has no ``FUNCTION`` taking exactly ``PARAMS``."""
+    check_method(_module(), FUNCTION, PARAMS, _MARK)  # type: ignore[arg-type] # a module's dict
 
-    Raises:
-        IncompatibleVllm: the function is missing or its parameters are not ``PARAMS``.
-    """
-    try:
-        module = importlib.import_module(MODULE)
-    except ImportError as e:
-        raise IncompatibleVllm(f"{MODULE} not found ({e})") from e
-    check_method(module, FUNCTION, PARAMS, _MARK)  # type: ignore[arg-type] # a module's dict
+
+def install(wanted: Wanted) -> None:
+    """Wrap vLLM's CPU fp8 packing once (idempotent); ``check`` it first."""
+    module = _module()
     original = getattr(module, FUNCTION)
     if getattr(original, _MARK, None) is None:
         setattr(module, FUNCTION, _wrap(original, wanted))
+
+
+def _module() -> Any:
+    try:
+        return importlib.import_module(MODULE)
+    except ImportError as e:
+        raise IncompatibleVllm(f"{MODULE} not found ({e})") from e
 
 
 def take_plain(w13: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

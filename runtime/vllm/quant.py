@@ -36,15 +36,11 @@ def weight_quant(experts: Any, w13: torch.Tensor, w2: torch.Tensor
     scales' layout, per tensor or per channel (as vLLM's ``_humming_fp8_weight_schema`` does).
     """
     qc = experts.quant_config
-    weight_dtype = qc.weight_quant_dtype
-    if weight_dtype is None and not qc.is_quantized:
+    if qc.weight_quant_dtype is None and not qc.is_quantized:
         return QuantScheme.NONE, None, ""
-    if weight_dtype != _FP8:
-        return None, None, f"quantized ({weight_dtype})"
-    if qc.a1_scale is not None or qc.a2_scale is not None:
-        return None, None, "static activation scales (moetune's kernels quantize dynamically)"
-    if qc.quant_dtype is not None and not experts.expects_unquantized_inputs:
-        return None, None, "activations reach the experts quantized to fp8 by vLLM"
+    why = unsupported(experts)
+    if why:
+        return None, None, why
     group = None if qc._w1.shape is None else tuple(qc._w1.shape)
     if group == _PER_ROW:
         scheme = QuantScheme.FP8_PER_CHANNEL
@@ -67,6 +63,19 @@ def weight_quant(experts: Any, w13: torch.Tensor, w2: torch.Tensor
             return None, None, f"{name} scales {got} are not {scheme.value} float32 scales {want}"
         scales.append(scale.reshape(want))
     return scheme, (scales[0], scales[1]), ""
+
+
+def unsupported(experts: Any) -> str:
+    """Why moetune's kernels do not compute this quantized layer as vLLM does ("" if they do):
+    weights other than fp8 e4m3, static activation scales, or activations vLLM quantized."""
+    qc = experts.quant_config
+    if qc.weight_quant_dtype != _FP8:
+        return f"quantized ({qc.weight_quant_dtype})"
+    if qc.a1_scale is not None or qc.a2_scale is not None:
+        return "static activation scales (moetune's kernels quantize dynamically)"
+    if qc.quant_dtype is not None and not experts.expects_unquantized_inputs:
+        return "activations reach the experts quantized to fp8 by vLLM"
+    return ""
 
 
 def _scale_shape(scheme: QuantScheme, weight: torch.Size) -> tuple[int, ...]:
