@@ -223,5 +223,6 @@ def _fp8_experts_class(dtype: DType, activation: str, gated: bool,
         if dtype is DType.FLOAT32:
             return None, "vLLM serves fp8 checkpoints with bfloat16 or float16 activations only"
     except Exception as e:  # noqa: BLE001 - vLLM internals that differ: not eligible, say why
-        return None, f"vLLM's CPU fp8 experts differ from what moetune knows ({type(e).__name__}: {e})"
+        return None, (f"vLLM's CPU fp8 experts differ from what moetune knows "
+                      f"({type(e).__name__}: {e})")
     return cls, None
