@@ -90,66 +90,76 @@ def read_winners(path: str | Path) -> TableSnapshot:
     bad_rows: list[str] = []
     bad_winners: list[tuple[dict[str, Any], dict[str, Any], str]] = []
     rows: list[WinnerRecord] = []
+    # Plain column tuples, not ORM objects, and each distinct JSON text parsed once: every
+    # vLLM process loads the table, and params repeat across buckets.
+    columns = (WinnerRow.id, WinnerRow.kernel, WinnerRow.params, WinnerRow.median_us,
+               WinnerRow.p20_us, WinnerRow.p80_us, WinnerRow.error, WinnerRow.baseline_kernel,
+               WinnerRow.baseline_params, WinnerRow.baseline_us, WinnerRow.speedup,
+               WinnerRow.run_id, WinnerRow.source, WinnerRow.baselines, WinnerRow.sku_id)
+    bucket_columns = tuple(getattr(BucketRow, c) for c in BUCKET_COLUMNS)
+    parsed: dict[str, dict[str, Any]] = {}
+
+    def parse(text: str) -> dict[str, Any]:
+        value = parsed.get(text)
+        if value is None:
+            value = parsed[text] = load_json(text)
+        return dict(value)
+
     with open_table(path) as table, table.session() as session:
-        skus = [sku.key() for sku in session.scalars(select(SkuRow).order_by(SkuRow.id))]
+        sku_rows = {sku.id: sku.key() for sku in session.scalars(select(SkuRow).order_by(SkuRow.id))}
+        skus = list(sku_rows.values())
         environment = _newest_environment(session, bad_rows)
         query = (
-            select(WinnerRow, SkuRow, BucketRow)
-            .join(SkuRow, WinnerRow.sku_id == SkuRow.id)
+            select(*columns, *bucket_columns)
             .join(BucketRow, WinnerRow.bucket_id == BucketRow.id)
             .order_by(WinnerRow.id)
         )
-        for winner, sku, bucket in session.execute(query):
-            where = f"winner {winner.id} ({winner.kernel}, bucket {bucket.key()})"
+        for values in session.execute(query).tuples():
+            (winner_id, kernel, params_text, median_us, p20_us, p80_us, error, baseline_kernel,
+             baseline_text, baseline_us, speedup, run_id, source, baselines_text, sku_id) = \
+                values[:len(columns)]
+            bucket = dict(zip(BUCKET_COLUMNS, values[len(columns):]))
+            sku = sku_rows[sku_id]
+            where = f"winner {winner_id} ({kernel}, bucket {bucket})"
             try:
-                params = load_json(winner.params)
-                baseline_params = load_json(winner.baseline_params)
+                params = parse(params_text)
+                baseline_params = parse(baseline_text)
             except ValueError as e:
                 why = f"params are not a JSON object: {e}"
                 bad_rows.append(f"{where}: {why}")
-                bad_winners.append((sku.key(), bucket.key(), why))
+                bad_winners.append((sku, bucket, why))
                 continue
             try:
-                baselines = _baselines(winner, params, baseline_params)
+                baselines = _baselines(baselines_text, source, (kernel, params),
+                                       (baseline_kernel, baseline_params), baseline_us)
             except (ValueError, TypeError, KeyError) as e:
                 why = f"baselines are not a JSON list of objects: {e}"
                 bad_rows.append(f"{where}: {why}")
-                bad_winners.append((sku.key(), bucket.key(), why))
+                bad_winners.append((sku, bucket, why))
                 continue
             rows.append(WinnerRecord(
-                sku=sku.key(),
-                bucket=bucket.key(),
-                kernel=winner.kernel,
-                params=params,
-                median_us=winner.median_us,
-                p20_us=winner.p20_us,
-                p80_us=winner.p80_us,
-                error=winner.error,
-                baseline_kernel=winner.baseline_kernel,
-                baseline_params=baseline_params,
-                baseline_us=winner.baseline_us,
-                speedup=winner.speedup,
-                run_id=winner.run_id,
-                source=winner.source,
-                baselines=baselines,
+                sku=sku, bucket=bucket, kernel=kernel, params=params, median_us=median_us,
+                p20_us=p20_us, p80_us=p80_us, error=error, baseline_kernel=baseline_kernel,
+                baseline_params=baseline_params, baseline_us=baseline_us, speedup=speedup,
+                run_id=run_id, source=source, baselines=baselines,
             ))
         revision = table.revision
     return TableSnapshot(path, revision, skus, environment, rows, bad_rows, bad_winners)
 
 
-def _baselines(winner: WinnerRow, params: dict[str, Any],
-               baseline_params: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+def _baselines(text: str | None, source: str, winner: tuple[str, dict[str, Any]],
+               baseline: tuple[str, dict[str, Any]],
+               baseline_us: float | None) -> tuple[dict[str, Any], ...]:
     """The row's baselines; a row from before schema 0003 has its one ``baseline_*``."""
-    if winner.baselines is not None:
-        variants = load_json(winner.baselines)["variants"]
+    if text is not None:
+        variants = load_json(text)["variants"]
         if not all(isinstance(v, dict) and isinstance(v["params"], dict) for v in variants):
             raise ValueError("a baseline is not an object with params")
         return tuple(variants)
-    if winner.source != "measured":
+    if source != "measured":
         return ()
-    same = (winner.kernel, params) == (winner.baseline_kernel, baseline_params)
-    return ({"kernel": winner.baseline_kernel, "params": baseline_params,
-             "median_us": winner.baseline_us, "beaten": not same},)
+    return ({"kernel": baseline[0], "params": baseline[1], "median_us": baseline_us,
+             "beaten": winner != baseline},)
 
 
 def read_measurements(

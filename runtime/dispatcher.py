@@ -265,14 +265,15 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
     if row.source != "measured":
         return RowVerdict(served, f"imported ({row.source})", problem)
     rule = rule_choice(problem, sku)
-    measured = next((b for b in row.baselines if (b["kernel"], params_key(b["params"]))
-                     == (rule.kernel, params_key(rule.params))), None)
+    rule_key = params_key(rule.params)
+    measured = next((b for b in row.baselines if b["kernel"] == rule.kernel
+                     and params_key(b["params"]) == rule_key), None)
     if measured is None:
         tried = "; ".join(f"{b['kernel']} {params_key(b['params'])}" for b in row.baselines)
         return RowVerdict(None, f"stale: tuned against {tried or 'no baseline'}, but the rule "
                                 f"here is {rule.kernel} {params_key(rule.params)} "
                                 f"({rule.reason}): re-tune this bucket", problem, stale=True)
-    if (row.kernel, params_key(params)) == (rule.kernel, params_key(rule.params)):
+    if row.kernel == rule.kernel and params_key(params) == rule_key:
         return RowVerdict(served, "the winner is today's rule's pick", problem)
     if measured.get("beaten"):
         return RowVerdict(served, f"beat today's rule ({rule.kernel})", problem)
