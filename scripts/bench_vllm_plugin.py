@@ -33,6 +33,7 @@ from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parent.parent
 BATCH, PROMPT_LEN, MAX_TOKENS, REPEATS = 8, 32, 64, 5
+HOOK_PAIRS = 50_000  # hooked / vLLM's own call pairs timed per process
 
 
 def child(model: str, out: str, compiled: bool) -> None:
@@ -70,9 +71,14 @@ def child(model: str, out: str, compiled: bool) -> None:
 
 def hook_cost(llm, prompts, params) -> dict[str, float]:
     """Eager, in the engine: the hook's cost per MoE call, timed on a real decode-step call
-    (its experts object and arguments) through the hooked ``apply`` and through vLLM's own,
-    alternately, and how many MoE calls one generate makes. Process-to-process noise on a
-    shared machine is far larger than the plugin's cost; this is not."""
+    (its experts object and arguments), and how many MoE calls one generate makes.
+
+    Calls through the hooked ``apply`` and through vLLM's own alternate one by one, each timed;
+    the cost is the median of the pairs' differences, so a burst of load on a shared machine
+    (which slows vLLM's threaded kernel by far more than the hook costs) hits a few pairs, not
+    the estimate. vLLM's kernel runs on one thread meanwhile, for the same reason."""
+    import torch
+
     from moetune.runtime.vllm import classes, hook
 
     cls = classes.CPU_SPECS[0].load()
@@ -94,12 +100,22 @@ def hook_cost(llm, prompts, params) -> dict[str, float]:
     finally:
         cls.apply = hooked
     experts, kwargs = seen[0]
-    n, with_hook, without = 20_000, [], []
-    for _ in range(7):  # alternate, so drift on the machine hits both alike
-        with_hook.append(timeit.timeit(lambda: hooked(experts, **kwargs), number=n) / n)
-        without.append(timeit.timeit(lambda: original(experts, **kwargs), number=n) / n)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    clock, with_hook, without = time.perf_counter_ns, [], []
+    try:
+        for i in range(HOOK_PAIRS):
+            for fn, times in ((hooked, with_hook), (original, without))[::1 if i % 2 else -1]:
+                start = clock()
+                fn(experts, **kwargs)
+                times.append(clock() - start)
+    finally:
+        torch.set_num_threads(threads)
     step = experts.__dict__[hook._ATTR].steps[BATCH]
-    return {"calls": calls, "hooked_us": min(with_hook) * 1e6, "vllm_us": min(without) * 1e6,
+    return {"calls": calls, "pairs": HOOK_PAIRS,
+            "hooked_us": statistics.median(with_hook) / 1e3,
+            "vllm_us": statistics.median(without) / 1e3,
+            "hook_us": statistics.median(a - b for a, b in zip(with_hook, without)) / 1e3,
             "step": "moetune kernel" if step.fn is not None else f"vLLM's apply ({step.counter})"}
 
 
@@ -191,9 +207,8 @@ def hook_cost_report(today: str, lookups: list[dict], overhead: dict[str, float]
 
     costs = [run["hook_cost"] for run in lookups]
     rows = "\n".join(f"| {i + 1} | {c['vllm_us']:.2f} | {c['hooked_us']:.2f} | "
-                     f"{c['hooked_us'] - c['vllm_us']:.2f} | {c['step']} |"
-                     for i, c in enumerate(costs))
-    extra = statistics.median(c["hooked_us"] - c["vllm_us"] for c in costs)
+                     f"{c['hook_us']:.2f} | {c['step']} |" for i, c in enumerate(costs))
+    extra = statistics.median(c["hook_us"] for c in costs)
     counts = next(iter(lookups[0]["stats"]["counters"].values()))
     command = " ".join(["python", "scripts/bench_vllm_plugin.py", *sys.argv[1:]])
     return f"""# vLLM plugin on the CPU: the hook's cost per MoE call
@@ -208,8 +223,10 @@ Model: random Mixtral-style, hidden 128, 8 experts (intermediate 64), top-2, 2 l
 vLLM's engine in-process, eager (`enforce_eager`), MOETUNE_MODE=lookup with a table tuned here
 (`moetune tune --config ... --buckets 1,{BATCH},{BATCH * PROMPT_LEN} --trials 12 --device cpu`).
 In each of {args.rounds} engine processes, one real decode-step MoE call ({BATCH} tokens: its
-experts object and arguments, captured during a generate) is timed through the hooked `apply`
-and through vLLM's own, alternately, 7 x 20000 calls each (minimum of the 7).
+experts object and arguments, captured during a generate) is made {costs[0]['pairs']} times
+through the hooked `apply` and as often through vLLM's own, alternating call by call (vLLM's
+kernel on one thread meanwhile), each call timed; "hook" is the median of the pairs'
+differences, the other columns the medians of the calls.
 
 | process | vLLM's `apply` us | through the hook us | hook us | what ran at {BATCH} tokens |
 | --- | --- | --- | --- | --- |
@@ -333,7 +350,7 @@ def main() -> None:
                          for k in ("_C::cpu_fused_moe", "moetune::experts_apply"))
 
     costs = [run["hook_cost"] for run in runs[(False, "lookup")]]
-    hook_us = statistics.median(c["hooked_us"] - c["vllm_us"] for c in costs)
+    hook_us = statistics.median(c["hook_us"] for c in costs)
     calls = costs[0]["calls"]
     generate_us = BATCH * MAX_TOKENS / max(pooled(False, "off")) * 1e6  # the fastest generate
     estimate = generate_us / (generate_us + calls * hook_us)
