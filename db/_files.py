@@ -176,7 +176,11 @@ def atomic_table(path: str | Path, *, start_from_existing: bool) -> Iterator[Tab
         state = inspect_file(path)  # never replace a file that is not a moetune table
         if start_from_existing:
             check_revision(path, state)
-    fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    try:  # a special directory (/proc, /sys) passes the access check and refuses the file
+        fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
+    except OSError as e:
+        raise TableError(f"{path}: cannot write in directory {directory}: "
+                         f"{e.strerror or e}") from e
     os.close(fd)
     temp = Path(temp_name)
     try:

@@ -3,8 +3,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh --vllm
+# The multi-host tests start a real PostgreSQL server: install Debian's when none is here.
+if ! command -v initdb >/dev/null 2>&1 && ! compgen -G "/usr/lib/postgresql/*/bin/initdb" >/dev/null; then
+  sudo=""; [[ $(id -u) -eq 0 ]] || sudo="sudo"
+  $sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq postgresql >/dev/null
+fi
+PY=python3
+[[ -n "${VIRTUAL_ENV:-}" ]] || PY=.venv/bin/python3
 set +e
-python3 -m pytest -q -rs "$@"
+# Servers the tests need are installed above: a test that cannot start one fails, not skips.
+MOETUNE_TEST_REQUIRE_SERVERS=1 "$PY" -m pytest -q -rs "$@"
 rc=$?
 set -e
 if [[ $rc -eq 5 ]]; then
