@@ -155,3 +155,17 @@ def test_show_and_lookup_say_why_a_row_is_not_served_here(tmp_path, monkeypatch)
                     "--device", "cpu").output
     assert "source:  rule" in looked and "18 rows for this shape are not served here" in looked
     assert "re-tune this bucket" in looked
+
+
+def test_vllms_import_warning_stays_out_of_moetunes_output():
+    """A fresh process (vLLM prints its warning once, at its first import)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    run = subprocess.run([str(Path(sys.executable).with_name("moetune")), "lookup", "--preset",
+                          "tiny", "--num-tokens", "4", "--device", "cpu"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr
+    assert "source:  rule" in run.stdout
+    assert "Triton is installed" not in run.stdout + run.stderr

@@ -5,6 +5,8 @@ from __future__ import annotations
 import enum
 import functools
 import json
+import logging
+import os
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Callable, Optional, TypeVar
@@ -23,6 +25,11 @@ from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
 from moetune.tuner.job import BucketOutcome, JobOptions, run_job
 from moetune.tuner.shapes import ShapeOptions, parse_buckets, problems_from_misses, resolve
+
+# vLLM warns when its CPU kernels are first imported ("Triton is installed, but doesn't include
+# CPU backend"), before its own logging is set up; moetune's output is its own.
+if "VLLM_LOGGING_LEVEL" not in os.environ:
+    logging.getLogger("vllm").setLevel(logging.ERROR)
 
 app = typer.Typer(help="Measured, per-GPU dispatch tables for Mixture-of-Experts kernels.",
                   no_args_is_help=True, pretty_exceptions_enable=False)
