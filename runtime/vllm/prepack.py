@@ -13,12 +13,16 @@ layer's plan runs a moetune kernel; a layer whose description the table does not
 from __future__ import annotations
 
 import importlib
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from moetune.errors import TableError
 from moetune.runtime.vllm.classes import IncompatibleVllm, check_method
+
+logger = logging.getLogger("moetune")
 
 MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
 FUNCTION = "prepare_fp8_moe_layer_for_cpu"
@@ -60,7 +64,16 @@ def _wrap(original: Callable[..., Any], wanted: Wanted) -> Callable[..., Any]:
     def prepare_fp8_moe_layer_for_cpu(w13: torch.Tensor,
                                       w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         plain = None
-        if wanted(w13.shape[0], w13.shape[2], w2.shape[2]):
+        try:
+            keep = wanted(w13.shape[0], w13.shape[2], w2.shape[2])
+        except TableError:
+            raise  # strict mode refuses to load without a usable table
+        except Exception as e:  # noqa: BLE001 - a bug here must not stop vLLM loading
+            logger.warning("moetune: cannot tell whether an fp8 layer %s needs plain weights "
+                           "(%s: %s); vLLM's own kernel serves it", tuple(w13.shape),
+                           type(e).__name__, e)
+            keep = False
+        if keep:
             # Copied before packing: the packing op's schema marks its input as written.
             plain = (w13.detach().clone(), w2.detach().clone())
         packed13, packed2 = original(w13, w2)
