@@ -103,7 +103,7 @@ def test_failed_tune_leaves_existing_table_untouched(tiny_table, tmp_path, monke
 
     path = tmp_path / "t.db"
     shutil.copy(tiny_table, path)
-    before = path.read_bytes()
+    before = db.read_winners(path).rows
     # The CPU rule for fp8_per_tensor is the torch loop (vLLM has no CPU kernel for it); a
     # loop that refuses fp8 leaves the bucket without an eligible baseline.
     monkeypatch.setattr(TorchLoopKernel, "_supports_quant",
@@ -112,9 +112,7 @@ def test_failed_tune_leaves_existing_table_untouched(tiny_table, tmp_path, monke
                     "--buckets", "1", "--output", path)
     assert result.exit_code == 1
     assert "not eligible" in result.output
-    assert len(db.read_winners(path).rows) == 3
-    assert sorted(r.bucket["num_tokens"] for r in db.read_winners(path).rows) == [1, 16, 64]
-    assert path.read_bytes() != b"" and before
+    assert len(before) == 3 and db.read_winners(path).rows == before  # the run row is added
 
 
 def test_lookup_defaults_to_the_shipped_table_for_this_device(tiny_table, cpu_sku, tmp_path,

@@ -72,4 +72,3 @@ def test_every_declared_space_is_finite_and_hashable():
         for p in kernel.params:
             assert isinstance(p, Param) and p.choices and len(set(p.choices)) == len(p.choices)
         assert kernel.space_size() >= 1
-        assert dataclasses.is_dataclass(Param)
