@@ -1,9 +1,6 @@
 """Every kernel eligible on this CPU computes the MoE layer like the float32 reference."""
 
-import dataclasses
-
 import pytest
-import torch
 
 from moetune.errors import InvalidParamsError, UnknownKernelError
 from moetune.runtime.kernels.base import Param
