@@ -8,11 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from moetune.db import read_winners
 from moetune.runtime.dispatcher import Dispatcher
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.kernels.triton_config import vllm_default_config
-from moetune.runtime.problem import DEFAULT_BUCKETS, MoEProblem
+from moetune.runtime.problem import DEFAULT_BUCKETS
 from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.presets import preset
