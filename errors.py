@@ -13,6 +13,10 @@ class TableError(MoetuneError):
     """A table file that is missing, corrupt, not a moetune table, or written by a newer schema."""
 
 
+class TableLockError(TableError):
+    """A table file another process kept locked for longer than a writer waits for it."""
+
+
 class UnknownKernelError(MoetuneError, KeyError):
     """A kernel name that is not in the registry."""
 

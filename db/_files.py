@@ -3,12 +3,16 @@
 Serving reads tables that the tuner, ``export`` and ``merge`` replace; a crash or an error in the
 middle of a write must leave the previous file exactly as it was. ``write_table`` therefore works
 on a temporary file in the same directory and ``os.replace``s it into place only on success.
-A table may also live in a database server (a URL such as ``postgresql+psycopg://host/db``):
-there each session is one transaction (see ``_server``).
+Several processes may write one file: each write holds the table's lock (``_locks``) from the
+copy to the replace, so every write starts from the current file and none is lost. The writer
+that takes the lock also cleans up after killed ones: it removes their temporary copies and
+marks their runs ``interrupted``. A table may also live in a database server (a URL such as
+``postgresql+psycopg://host/db``): there each session is one transaction (see ``_server``).
 """
 
 import contextlib
 import os
+import re
 import sqlite3
 import tempfile
 from collections.abc import Iterator
@@ -34,7 +38,9 @@ from moetune.db._schema import (
     sqlite_url,
     upgrade_schema,
 )
+from moetune.db._locks import LOCK_TIMEOUT_S, bucket_claim, publish_lock
 from moetune.db._server import claim, display_url, open_server_table
+from moetune.db._tuning import mark_interrupted
 from moetune.errors import TableError
 
 
@@ -94,7 +100,8 @@ def open_table(path: str | Path, *, writable: bool = False) -> TableFile:
 
     Read-only opens never write to the file: an older schema is upgraded in an in-memory copy.
     Writable opens create a missing file with the head schema and upgrade an older one in place.
-    Writing in place is not atomic across sessions; use :func:`write_table` for that.
+    Writing in place is neither atomic across sessions nor serialized with other writers; use
+    :func:`write_table` for that.
 
     Args:
         path: The SQLite table file, or a database server's URL.
@@ -130,18 +137,22 @@ def open_table(path: str | Path, *, writable: bool = False) -> TableFile:
 
 
 @contextlib.contextmanager
-def write_table(path: str | Path) -> Iterator[TableFile]:
-    """Change a table file all at once, or not at all.
+def write_table(path: str | Path, *,
+                lock_timeout: float = LOCK_TIMEOUT_S) -> Iterator[TableFile]:
+    """Change a table file all at once, or not at all, and never over another writer's change.
 
     Yields a writable copy of ``path`` (or a new table when ``path`` does not exist), kept in a
     temporary file next to it (that is the yielded table's ``.path``). When the block finishes,
     the copy atomically replaces ``path``; when it raises, the copy is deleted and ``path`` is
-    untouched. Readers keep seeing the old file until the replace.
+    untouched. Readers keep seeing the old file until the replace. The table's lock is held
+    from before the copy until after the replace (waiting up to ``lock_timeout`` seconds for
+    another writer); runs whose process is gone are marked ``interrupted`` in the copy.
 
     A server URL is opened for writing instead: each of the block's sessions commits on its
     own, all or nothing, so callers put what must land together in one session.
 
     Raises:
+        TableLockError: Another process held the table's lock for all of ``lock_timeout``.
         TableError: If the directory is missing or not writable (checked before any work), or
             if the existing file is not a table this moetune can use.
     """
@@ -149,18 +160,20 @@ def write_table(path: str | Path) -> Iterator[TableFile]:
         with open_table(path, writable=True) as table:
             yield table
         return
-    with atomic_table(path, start_from_existing=True) as table:
+    with atomic_table(path, start_from_existing=True, lock_timeout=lock_timeout) as table:
         yield table
 
 
 @contextlib.contextmanager
-def atomic_table(path: str | Path, *, start_from_existing: bool) -> Iterator[TableFile]:
+def atomic_table(path: str | Path, *, start_from_existing: bool,
+                 lock_timeout: float = LOCK_TIMEOUT_S) -> Iterator[TableFile]:
     """``write_table``, optionally starting from an empty schema instead of ``path``'s rows.
 
     Exports and merges build their output from scratch, even when ``out`` already exists.
 
     Raises:
         TableError: ``path`` is a server URL: exports and merges write table files.
+        TableLockError: Another process held the table's lock for all of ``lock_timeout``.
     """
     if is_url(path):
         raise TableError(f"{display_url(str(path))}: exports and merges write a table file, "
@@ -171,32 +184,47 @@ def atomic_table(path: str | Path, *, start_from_existing: bool) -> Iterator[Tab
         raise TableError(f"{path}: cannot write, directory {directory} does not exist")
     if not os.access(directory, os.W_OK | os.X_OK):
         raise TableError(f"{path}: cannot write, directory {directory} is not writable")
-    existing = path.exists()
-    if existing:
-        state = inspect_file(path)  # never replace a file that is not a moetune table
-        if start_from_existing:
-            check_revision(path, state)
-    try:  # a special directory (/proc, /sys) passes the access check and refuses the file
-        fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=directory)
-    except OSError as e:
-        raise TableError(f"{path}: cannot write in directory {directory}: "
-                         f"{e.strerror or e}") from e
-    os.close(fd)
-    temp = Path(temp_name)
-    try:
-        if existing and start_from_existing:
-            _copy_file(path, temp)
-        else:
-            create_schema(temp)
-        with open_table(temp, writable=True) as table:
-            yield table
-        _fsync(temp)
-        os.chmod(temp, os.stat(path).st_mode & 0o7777 if existing else 0o644)
-        os.replace(temp, path)
-        _fsync(directory)
-    except BaseException:
-        temp.unlink(missing_ok=True)
-        raise
+    with publish_lock(path, lock_timeout):  # a special directory (/proc) fails here
+        _remove_leftovers(path)
+        existing = path.exists()
+        if existing:
+            state = inspect_file(path)  # never replace a file that is not a moetune table
+            if start_from_existing:
+                check_revision(path, state)
+        try:
+            fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
+                                             dir=directory)
+        except OSError as e:
+            raise TableError(f"{path}: cannot write in directory {directory}: "
+                             f"{e.strerror or e}") from e
+        os.close(fd)
+        temp = Path(temp_name)
+        try:
+            if existing and start_from_existing:
+                _copy_file(path, temp)
+            else:
+                create_schema(temp)
+            with open_table(temp, writable=True) as table:
+                if existing and start_from_existing:
+                    with table.session() as session:
+                        mark_interrupted(session)
+                yield table
+            _fsync(temp)
+            os.chmod(temp, os.stat(path).st_mode & 0o7777 if existing else 0o644)
+            os.replace(temp, path)
+            _fsync(directory)
+        except BaseException:
+            temp.unlink(missing_ok=True)
+            raise
+
+
+def _remove_leftovers(path: Path) -> None:
+    """Delete the temporary copies (and their SQLite journals) of writes to ``path`` that were
+    killed before their replace. Called under the table's lock: no live writer has one open."""
+    leftover = re.compile(rf"\.{re.escape(path.name)}\.[^.]+\.tmp(-journal)?")
+    for entry in path.absolute().parent.iterdir():
+        if leftover.fullmatch(entry.name):
+            entry.unlink(missing_ok=True)
 
 
 def _copy_file(source: Path, target: Path) -> None:
@@ -242,14 +270,17 @@ def _fsync(path: Path) -> None:
 
 @contextlib.contextmanager
 def claim_in(path: str | Path, name: str) -> Iterator[bool]:
-    """``_server.claim`` on the table at ``path``: whether this job may work on ``name`` now.
-    Table files are written by one job at a time, so there the answer is always yes.
+    """Hold the claim ``name`` on the table at ``path`` for the block if no other job holds it:
+    yields whether this job may work on ``name`` now. A lock file beside a table file
+    (``_locks.bucket_claim``), an advisory lock on a server (``_server.claim``); either is gone
+    with a job that dies.
 
     Raises:
-        TableError: the server table cannot be opened.
+        TableError: the claim's lock file cannot be made, or the server table cannot be opened.
     """
     if not is_url(path):
-        yield True
+        with bucket_claim(Path(path), name) as mine:
+            yield mine
         return
     with open_table(path, writable=True) as table, claim(table.engine, name) as mine:
         yield mine

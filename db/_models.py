@@ -39,6 +39,8 @@ class RunStatus(str, enum.Enum):
     RUNNING = "running"
     FINISHED = "finished"
     FAILED = "failed"
+    #: Its process died (killed, crashed) while running; marked by the next writer of the table.
+    INTERRUPTED = "interrupted"
 
 
 class MeasurementStatus(str, enum.Enum):
@@ -108,6 +110,9 @@ class TuningRun(Base):
     environment: Mapped[json_text]
     driver: Mapped[str | None]
     host: Mapped[str]
+    #: The tuner's process id on ``host`` (None before schema 0004): a writer that finds the
+    #: process gone marks a run still ``running`` as ``interrupted``.
+    pid: Mapped[int | None]
     command: Mapped[str] = mapped_column(Text)
     started_at: Mapped[utc_time]
     finished_at: Mapped[datetime.datetime | None] = mapped_column(DateTime())

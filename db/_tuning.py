@@ -7,6 +7,7 @@ Rows passed in may come from an earlier, closed session: only their ids are used
 
 import datetime
 import math
+import os
 import socket
 from typing import Any
 
@@ -27,6 +28,7 @@ from moetune.db._models import (
     TuningRun,
     WinnerRow,
 )
+from moetune.errors import TableError
 
 _BUCKET_INTS = ("num_tokens", "hidden_size", "intermediate_size", "num_experts", "topk")
 _BUCKET_STRS = ("dtype", "quant", "activation")
@@ -45,13 +47,25 @@ def get_or_create_sku(
 
     An existing row keeps its recorded ``memory_bytes``: the unique key decides identity.
     """
-    key = {"vendor": _value(vendor), "name": name, "arch": arch}
-    key["compute_units"] = int(compute_units)
+    key = _sku_key(vendor, name, arch, compute_units)
     query = select(SkuRow).filter_by(**key)
     sku = session.scalars(query).one_or_none()
     if sku is None:
         sku = _add_unique(session, SkuRow(**key, memory_bytes=int(memory_bytes)), query)
     return sku
+
+
+def find_sku(session: Session, vendor: str, name: str, arch: str,
+             compute_units: int) -> SkuRow | None:
+    """The SKU row for (vendor, name, arch, compute_units) if the table has one: the lookup of
+    ``get_or_create_sku``, for read-only sessions."""
+    key = _sku_key(vendor, name, arch, compute_units)
+    return session.scalars(select(SkuRow).filter_by(**key)).one_or_none()
+
+
+def _sku_key(vendor: str, name: str, arch: str, compute_units: int) -> dict[str, Any]:
+    return {"vendor": _value(vendor), "name": name, "arch": arch,
+            "compute_units": int(compute_units)}
 
 
 def bucket_key(key: dict[str, Any]) -> dict[str, Any]:
@@ -87,6 +101,15 @@ def get_or_create_bucket(session: Session, **key: Any) -> BucketRow:
     return bucket
 
 
+def find_bucket(session: Session, **key: Any) -> BucketRow | None:
+    """The bucket row for the 10 key columns if the table has one (read-only sessions).
+
+    Raises:
+        ValueError: If the key columns are not exactly the 10 bucket columns.
+    """
+    return session.scalars(select(BucketRow).filter_by(**bucket_key(key))).one_or_none()
+
+
 def _add_unique(session: Session, row: Any, query: Select[Any]) -> Any:
     """Insert ``row``; if another writer (a job on another host, same server table) inserted
     the same unique key since we looked, return that row instead."""
@@ -107,7 +130,8 @@ def start_run(
     commit: str | None,
     driver: str | None,
 ) -> TuningRun:
-    """Record that a tuning run began on this host, with the versions it runs under."""
+    """Record that a tuning run began in this process on this host, with the versions it runs
+    under (the host and pid tell a later writer whether the run's process is still alive)."""
     run = TuningRun(
         sku_id=sku.id,
         moetune_version=__version__,
@@ -115,6 +139,7 @@ def start_run(
         environment=dump_json(environment),
         driver=driver,
         host=socket.gethostname(),
+        pid=os.getpid(),
         command=command,
         started_at=utcnow(),
         status=RunStatus.RUNNING,
@@ -122,6 +147,46 @@ def start_run(
     session.add(run)
     session.flush()
     return run
+
+
+def get_run(session: Session, run_id: int) -> TuningRun:
+    """The run a job started, to add its results to.
+
+    Raises:
+        TableError: The run's row is gone: a program that does not take moetune's table lock
+            replaced the file while the job ran.
+    """
+    run = session.get(TuningRun, run_id)
+    if run is None:
+        raise TableError(f"run {run_id} is no longer in the table: another program replaced "
+                         "the file while this job ran")
+    return run
+
+
+def mark_interrupted(session: Session) -> None:
+    """Mark ``interrupted`` every run still ``running`` whose process on this host is gone.
+
+    A run of another host, or from before schema 0004 (no pid), is left alone: its process
+    cannot be checked from here. A recycled pid keeps a dead run ``running`` (never the
+    reverse). ``finished_at`` stays empty: when the process died is not known.
+    """
+    runs = session.scalars(select(TuningRun).where(
+        TuningRun.status == RunStatus.RUNNING, TuningRun.host == socket.gethostname(),
+        TuningRun.pid.is_not(None))).all()
+    for run in runs:
+        if not _process_alive(run.pid):
+            run.status = RunStatus.INTERRUPTED
+    session.flush()
+
+
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: only checks that the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
 
 
 def finish_run(session: Session, run: TuningRun, status: RunStatus | str) -> None:
@@ -193,7 +258,9 @@ def set_winner(
     """Insert or replace the winner of (sku, bucket); ``speedup = baseline_us / median_us``.
 
     ``baselines``: every rule variant timed beside the winner (``WinnerRecord.baselines``); the
-    ``baseline_*`` columns hold the one that was the rule where the row was tuned.
+    ``baseline_*`` columns hold the one that was the rule where the row was tuned. ``run``: the
+    run that measured the winner, which is provenance: a job that re-confirms a winner measured
+    by an earlier run passes that run, not its own.
 
     The replacement is unconditional: deciding that a new result beats the stored one is the
     tuner's job (or ``merge_tables``'s), not storage's. A ``measured`` winner has both times;

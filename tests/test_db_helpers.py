@@ -1,5 +1,7 @@
 """Builders shared by the ``test_db_*`` files: real table files written through the public API."""
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,12 @@ MI300X = ("amd", "MI300X", "gfx942", 304, 205_822_885_888)
 ENVIRONMENT = {
     "torch": "2.9.0", "triton": "3.5.0", "cuda": "12.8", "hip": None, "aiter": None, "vllm": None,
 }
+
+
+def files_in(directory: Path) -> list[str]:
+    """The names in ``directory``, sorted, without the tables' lock directories (``.NAME.locks``,
+    which stay beside a table by design): what a test of leftover files looks at."""
+    return sorted(n for n in os.listdir(directory) if not re.fullmatch(r"\..+\.locks", n))
 
 
 def bucket_key(**changes: Any) -> dict[str, Any]:

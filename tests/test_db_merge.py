@@ -19,7 +19,7 @@ from moetune.db import (
 )
 from moetune.errors import TableError
 
-from .test_db_helpers import MI300X, tune
+from .test_db_helpers import MI300X, files_in, tune
 
 
 def _count(path, model):
@@ -55,7 +55,7 @@ def test_export_writes_a_self_contained_table(tmp_path, table, with_measurements
     assert _count(out, Measurement) == (6 if with_measurements else 0)
     if with_measurements:
         assert read_measurements(out) == read_measurements(table)
-    assert sorted(os.listdir(tmp_path)) == ["artifact.db", "src.db"]
+    assert files_in(tmp_path) == ["artifact.db", "src.db"]
 
 
 def test_export_refuses_to_overwrite_a_file_that_is_not_a_table(tmp_path, table):
@@ -122,7 +122,7 @@ def test_merge_into_its_first_input_is_atomic_and_idempotent(tmp_path, table):
     again = merge_tables(table, other, table)  # nothing new: no duplicate runs or trials
     assert (again.rows, again.conflicts) == (4, [])
     assert _count(table, TuningRun) == 4 and _count(table, Measurement) == 8
-    assert sorted(os.listdir(tmp_path)) == ["other.db", "src.db"]
+    assert files_in(tmp_path) == ["other.db", "src.db"]
 
 
 def test_merge_of_a_bad_input_leaves_out_untouched(tmp_path, table):

@@ -22,7 +22,7 @@ from moetune.db import (
 )
 from moetune.errors import TableError
 
-from .test_db_helpers import tune
+from .test_db_helpers import files_in, tune
 
 ASSETS = Path(__file__).parent / "assets"
 
@@ -164,7 +164,7 @@ def test_files_that_are_not_tables_are_refused(tmp_path, make, how):
     assert message.startswith(f"{path}: not a moetune table (")
     assert what in message
     assert path.read_bytes() == before
-    assert [p.name for p in tmp_path.iterdir()] == ["table.db"]
+    assert files_in(tmp_path) == ["table.db"]
 
 
 @pytest.mark.parametrize("how", ["read", "open_writable", "write_table", "schema_revision"])

@@ -31,7 +31,7 @@ from moetune.db import (
 )
 from moetune.errors import TableError
 
-from .test_db_helpers import ENVIRONMENT, H200, MI300X, bucket_key, tune
+from .test_db_helpers import ENVIRONMENT, H200, MI300X, bucket_key, files_in, tune
 
 
 def test_round_trip(tmp_path):
@@ -166,7 +166,7 @@ def test_write_table_leaves_the_old_file_intact_when_the_body_raises(tmp_path):
             s.flush()
             raise RuntimeError("boom")
     assert path.read_bytes() == before
-    assert os.listdir(tmp_path) == ["h200.db"]
+    assert files_in(tmp_path) == ["h200.db"]
     assert read_winners(path).rows[0].kernel == "triton"
 
 
@@ -184,14 +184,14 @@ def test_write_table_commits_on_success_only_when_the_block_ends(tmp_path):
     with open_table(path) as new, new.session() as s:
         assert s.scalar(select(func.count()).select_from(BucketRow)) == 2
     assert os.stat(path).st_mode & 0o777 == 0o640
-    assert os.listdir(tmp_path) == ["h200.db"]
+    assert files_in(tmp_path) == ["h200.db"]
 
 
 def test_write_table_on_a_new_path_that_fails_creates_nothing(tmp_path):
     with pytest.raises(KeyError):
         with write_table(tmp_path / "new.db"):
             raise KeyError("x")
-    assert os.listdir(tmp_path) == []
+    assert files_in(tmp_path) == []
 
 
 def test_unwritable_directory_is_refused_before_any_work(tmp_path):

@@ -2,6 +2,9 @@
 
 Each bucket is written through ``write_table`` (copy, write, atomic replace), so a killed job
 leaves a valid table with the buckets it finished, and a rerun skips what it already measured.
+Several jobs may tune into one table (file or server): each claims a bucket while tuning it and
+skips one another job holds; a bucket another job finished is re-confirmed from its
+measurements, which keep the provenance of the run that made them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Callable, Iterable
 
 from moetune import db
 from moetune.errors import TuningError
+from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
@@ -161,7 +165,7 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
     finished = [o for o in outcomes if o is not None]
     status = db.RunStatus.FAILED if any(o.error for o in finished) else db.RunStatus.FINISHED
     with db.write_table(output) as table, table.session() as s:
-        db.finish_run(s, s.get(db.TuningRun, run_id), status)
+        db.finish_run(s, db.get_run(s, run_id), status)
     return finished
 
 
@@ -179,7 +183,8 @@ class _Lane:
 def claim_bucket(output: Path | str, sku: SKU,
                  problem: MoEProblem) -> contextlib.AbstractContextManager[bool]:
     """The claim a job holds on ``problem``'s bucket of ``sku`` in ``output`` while tuning it:
-    jobs on several hosts given the same buckets (one database) share them out this way."""
+    jobs given the same buckets of one table (a file, or a database several hosts share) share
+    them out this way."""
     name = f"moetune bucket {sku.vendor.value}:{sku.name}:{sku.arch} {problem.describe()}"
     return db.claim_in(output, name)
 
@@ -217,8 +222,7 @@ def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOp
                   lane: _Lane) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     worker, pool = lane.worker, lane.pool
-    with lane.writing:
-        known = _known_results(output, sku, problem)
+    known, measured_by = _known_results(output, sku, problem)
     start = time.perf_counter()
     compiled_before = pool.seconds if pool else 0.0
     try:
@@ -243,8 +247,9 @@ def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOp
                "first_calls": sum(r.first_call_s for r in fresh),
                "timing": sum(r.timing_s for r in fresh),
                "confirm": end - confirming, "total": end - start}
+    w, wt, bt = decision.winner, decision.winner_timing, decision.baseline_timing
     with lane.writing, db.write_table(output) as table, table.session() as s:
-        run = s.get(db.TuningRun, run_id)
+        run = db.get_run(s, run_id)
         bucket = db.get_or_create_bucket(s, **problem.to_row())
         for r in fresh:
             t = r.timing
@@ -252,8 +257,8 @@ def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOp
                                t.median_us if t else None, t.p20_us if t else None,
                                t.p80_us if t else None, t.samples if t else 0, r.error,
                                db.MeasurementStatus(r.status.value), r.reason)
-        w, wt, bt = decision.winner, decision.winner_timing, decision.baseline_timing
-        db.set_winner(s, _sku_row(s, sku), bucket, run, w.kernel, w.params, wt.median_us,
+        found_by = db.get_run(s, measured_by.get((w.kernel, params_key(w.params)), run_id))
+        db.set_winner(s, _sku_row(s, sku), bucket, found_by, w.kernel, w.params, wt.median_us,
                       wt.p20_us, wt.p80_us, w.error, decision.baseline.kernel,
                       decision.baseline.params, bt.median_us,
                       baselines=[b.to_row() for b in decision.baselines])
@@ -261,18 +266,23 @@ def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOp
                          device=lane.device)
 
 
-def _known_results(output: Path | str, sku: SKU, problem: MoEProblem) -> dict[Key, Result]:
-    """Measurements an earlier run left in ``output`` for this bucket (resume)."""
+def _known_results(output: Path | str, sku: SKU,
+                   problem: MoEProblem) -> tuple[dict[Key, Result], dict[Key, int]]:
+    """Measurements earlier runs (this job's included) left in ``output`` for this bucket, and
+    the run that made each. Read-only: another job may be replacing the file meanwhile."""
     if not db.is_url(output) and not Path(output).exists():
-        return {}
-    with db.open_table(output, writable=True) as table, table.session() as s:
-        bucket = db.get_or_create_bucket(s, **problem.to_row())
-        rows = db.measured(s, _sku_row(s, sku), bucket)
-        known = {}
+        return {}, {}
+    with db.open_table(output) as table, table.session() as s:
+        sku_row = db.find_sku(s, vendor=sku.vendor.value, name=sku.name, arch=sku.arch,
+                              compute_units=sku.compute_units)
+        bucket = db.find_bucket(s, **problem.to_row())
+        rows = db.measured(s, sku_row, bucket) if sku_row and bucket else {}
+        known, runs = {}, {}
         for (kernel, pkey), m in rows.items():
             timing = None
             if m.median_us is not None:
                 timing = Timing(m.median_us, m.p20_us, m.p80_us, m.samples, "stored")
             known[(kernel, pkey)] = Result(kernel, db.load_json(m.params), Status(m.status.value),
                                            timing, m.error, m.reason)
-        return known
+            runs[(kernel, pkey)] = m.run_id
+        return known, runs
