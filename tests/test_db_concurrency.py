@@ -19,6 +19,8 @@ import pytest
 
 from moetune.db import RunStatus, claim_in, write_table
 from moetune.errors import TableLockError
+from moetune.tuner.job import JobOptions, run_job
+from moetune.tuner.presets import preset
 
 MOETUNE = Path(sys.executable).with_name("moetune")
 FAST = ["--preset", "tiny", "--device", "cpu", "--trials", "2", "--reps", "2"]
@@ -180,3 +182,14 @@ def test_a_bucket_claim_is_exclusive_and_dies_with_its_holder(tmp_path):
     _kill(holder)
     with claim_in(path, "bucket 8") as mine:
         assert mine
+
+
+def test_a_reconfirmed_winner_keeps_the_run_that_measured_it(tmp_path, cpu_sku):
+    path = tmp_path / "t.db"
+    problem = preset("tiny").shape.problem(8)
+    opts = JobOptions(device="cpu", trials=2, reps=2)
+    first = run_job([problem], path, cpu_sku, opts)
+    again = run_job([problem], path, cpu_sku, opts)  # every trial known: confirmed, not measured
+    assert first[0].measured > 0 and (again[0].measured, again[0].reused) == (0, first[0].measured)
+    assert _query(path, "SELECT id, status FROM tuning_run") == [(1, "finished"), (2, "finished")]
+    assert _query(path, "SELECT run_id FROM winner") == [(1,)]
