@@ -36,6 +36,13 @@ BATCH, PROMPT_LEN, MAX_TOKENS, REPEATS = 8, 32, 64, 5
 HOOK_PAIRS = 50_000  # hooked / vLLM's own call pairs timed per process
 
 
+def noop_apply(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
+               global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
+               expert_tokens_meta, apply_router_weight_on_input):
+    """vLLM's experts ``apply``, doing nothing: what is left is the hook's own cost."""
+    return None
+
+
 def child(model: str, out: str, compiled: bool) -> None:
     """One engine in this process: warm up, then time ``REPEATS`` greedy generations."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -111,8 +118,14 @@ def hook_cost(llm, prompts, params) -> dict[str, float]:
                 times.append(clock() - start)
     finally:
         torch.set_num_threads(threads)
-    step = experts.__dict__[hook._ATTR].steps[BATCH]
+    layer = experts.__dict__[hook._ATTR]
+    step = layer.steps[BATCH]
+    layer.original, n, alone, bare = noop_apply, 20_000, [], []
+    for _ in range(15):  # the hook alone: the same call, vLLM's kernel a no-op
+        alone.append(timeit.timeit(lambda: hooked(experts, **kwargs), number=n) / n)
+        bare.append(timeit.timeit(lambda: noop_apply(experts, **kwargs), number=n) / n)
     return {"calls": calls, "pairs": HOOK_PAIRS,
+            "alone_us": (min(alone) - min(bare)) * 1e6,
             "hooked_us": statistics.median(with_hook) / 1e3,
             "vllm_us": statistics.median(without) / 1e3,
             "hook_us": statistics.median(a - b for a, b in zip(with_hook, without)) / 1e3,
@@ -151,14 +164,9 @@ def dispatch_overhead(table: Path, shape) -> dict[str, float]:
     row = problem.to_row()
     problem_ns = timeit.timeit(lambda: MoEProblem(**row), number=n // 10) / (n // 10) * 1e9
 
-    def noop(self, output, hidden_states, w1, w2, topk_weights, topk_ids, activation,
-             global_num_experts, expert_map, a1q_scale, a2_scale, workspace13, workspace2,
-             expert_tokens_meta, apply_router_weight_on_input):  # vLLM's apply, doing nothing
-        return None
-
     spec = classes.ExpertsSpec("bench", "Experts", classes.Held.PLAIN)
     state = PluginState(Settings(table=table))
-    experts_cls = type("Experts", (), {"apply": noop})
+    experts_cls = type("Experts", (), {"apply": noop_apply})
     experts_cls.apply = hook._wrap_apply(experts_cls, spec, state, lambda: False)
     x, w = torch.zeros(8, shape.hidden_size), torch.zeros(8, 2)
     w13 = torch.zeros(shape.num_experts, 2 * shape.intermediate_size, shape.hidden_size)
@@ -184,7 +192,7 @@ def dispatch_overhead(table: Path, shape) -> dict[str, float]:
             continue
         hook_ns[case] = min(timeit.repeat(lambda: experts.apply(**args), number=n // 4,
                                           repeat=5)) / (n // 4) * 1e9
-    bare_ns = min(timeit.repeat(lambda: noop(experts, **args), number=n // 4,
+    bare_ns = min(timeit.repeat(lambda: noop_apply(experts, **args), number=n // 4,
                                 repeat=5)) / (n // 4) * 1e9
     return {"select_hit_ns": select_ns, "problem_build_ns": problem_ns,
             **{f"hook_overhead_ns ({case})": ns - bare_ns for case, ns in hook_ns.items()}}
@@ -206,8 +214,10 @@ def hook_cost_report(today: str, lookups: list[dict], overhead: dict[str, float]
     import torch
 
     costs = [run["hook_cost"] for run in lookups]
-    rows = "\n".join(f"| {i + 1} | {c['vllm_us']:.2f} | {c['hooked_us']:.2f} | "
-                     f"{c['hook_us']:.2f} | {c['step']} |" for i, c in enumerate(costs))
+    rows = "\n".join(f"| {i + 1} | {c['alone_us']:.2f} | {c['vllm_us']:.2f} | "
+                     f"{c['hooked_us']:.2f} | {c['hook_us']:.2f} | {c['step']} |"
+                     for i, c in enumerate(costs))
+    alone = statistics.median(c["alone_us"] for c in costs)
     extra = statistics.median(c["hook_us"] for c in costs)
     counts = next(iter(lookups[0]["stats"]["counters"].values()))
     command = " ".join(["python", "scripts/bench_vllm_plugin.py", *sys.argv[1:]])
@@ -223,19 +233,27 @@ Model: random Mixtral-style, hidden 128, 8 experts (intermediate 64), top-2, 2 l
 vLLM's engine in-process, eager (`enforce_eager`), MOETUNE_MODE=lookup with a table tuned here
 (`moetune tune --config ... --buckets 1,{BATCH},{BATCH * PROMPT_LEN} --trials 12 --device cpu`).
 In each of {args.rounds} engine processes, one real decode-step MoE call ({BATCH} tokens: its
-experts object and arguments, captured during a generate) is made {costs[0]['pairs']} times
-through the hooked `apply` and as often through vLLM's own, alternating call by call (vLLM's
-kernel on one thread meanwhile), each call timed; "hook" is the median of the pairs'
-differences, the other columns the medians of the calls.
+experts object and arguments, captured during a generate) is timed two ways:
 
-| process | vLLM's `apply` us | through the hook us | hook us | what ran at {BATCH} tokens |
-| --- | --- | --- | --- | --- |
+- *hook alone*: the layer's vLLM `apply` replaced by a no-op with its signature, the call made
+  through the hook and straight to the no-op (by keyword, as vLLM calls), alternately, 15 x 20000
+  calls each; the difference of the fastest blocks is what the hook itself adds to a call;
+- *with vLLM's kernel*: {costs[0]['pairs']} calls through the hooked `apply` and as many through
+  vLLM's own, alternating call by call (vLLM's kernel on one thread), each timed; the median of
+  the pairs' differences, which also holds whatever the hook's Python does to the kernel that
+  follows it (caches, the other threads of the engine process).
+
+| process | hook alone us | vLLM's `apply` us | through the hook us | paired difference us | what ran at {BATCH} tokens |
+| --- | --- | --- | --- | --- | --- |
 {rows}
 
-**Hook overhead: {extra:.2f} us per MoE call** (median of the processes; goal <= 2 us), with
-{costs[0]['calls']} MoE calls per generate. Before the adapter refactor:
-0.74 us (`bench/results/vllm-plugin-cpu-2026-11-30.md`). Worker counters of the first process:
-{counts['hit']} hits, {counts['miss']} misses, {counts['fallback']} fallbacks.
+**The hook's own cost: {alone:.2f} us per MoE call** (median of the processes; goal <= 2 us);
+with vLLM's kernel after it, {extra:.2f} us per call (paired median). {costs[0]['calls']} MoE
+calls per generate. Worker counters of the first process: {counts['hit']} hits,
+{counts['miss']} misses, {counts['fallback']} fallbacks. Before the adapter refactor this page's
+predecessor reported 0.74 us (`bench/results/vllm-plugin-cpu-2026-11-30.md`, the fastest of 5
+blocks with vLLM's kernel on a quieter machine); that method gives no stable number on this
+machine today (blocks differ by more than the hook costs).
 
 The same hook alone (single thread, vLLM's `apply` replaced by a no-op, called by keyword as vLLM
 calls it):

@@ -25,8 +25,9 @@ from moetune.runtime.problem import MoEProblem, QuantScheme, Shape  # noqa: E402
 from moetune.runtime.registry import default_registry  # noqa: E402
 from moetune.runtime.rules import rule_choice  # noqa: E402
 from moetune.runtime.vllm import classes, hook  # noqa: E402
-from moetune.runtime.vllm.call import (APPLY_PARAMS, LOAD_PARAMS, OP_INTS,  # noqa: E402
-                                       OP_TENSORS, ApplyCall, from_op, op_args, wrap)
+from moetune.runtime.vllm.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS,  # noqa: E402
+                                       OP_INTS, OP_TENSORS, ApplyCall, from_op, op_args,
+                                       wrap)
 from moetune.runtime.vllm.describe import describe  # noqa: E402
 from moetune.runtime.vllm.settings import Settings  # noqa: E402
 from moetune.runtime.vllm.state import PluginState  # noqa: E402
@@ -88,10 +89,11 @@ def test_apply_binds_through_the_call_object(name):
     wrapped(experts, *(kwargs[n] for n in APPLY_PARAMS[1:]))
     (s1, by_keyword), (s2, by_position) = seen
     assert s1 is s2 is experts and by_keyword == by_position
-    assert by_keyword._asdict() == kwargs
+    assert ApplyCall(*by_keyword)._asdict() == kwargs
+    assert by_keyword[HIDDEN_STATES] is kwargs["hidden_states"]
     bound = inspect.signature(original).bind(experts, *by_keyword)  # what the layer passes on
     assert {k: v for k, v in bound.arguments.items() if k != "self"} == kwargs
-    back = from_op(MoEActivation.SILU, *op_args(by_keyword))
+    back = from_op(MoEActivation.SILU, *op_args(ApplyCall(*by_keyword)))
     assert all(getattr(back, n) is kwargs[n] for n in OP_TENSORS)
     assert [getattr(back, n) for n in OP_INTS] == [E, True]
     assert isinstance(back, ApplyCall) and back.expert_tokens_meta is None

@@ -2,9 +2,11 @@
 
 The signature of ``FusedMoEExpertsModular.apply`` is written here and nowhere else, as the
 fields of ``ApplyCall``. The hook checks the real classes against ``APPLY_PARAMS`` before
-patching; ``wrap`` makes the replacement ``apply``, which binds each call into one
-``ApplyCall``; everything after it (the layer's plan, vLLM's own ``apply``, the traced op)
-reads that object by field name and hands it on whole.
+patching; ``wrap`` makes the replacement ``apply``, which binds each call once into the tuple
+of its arguments in field order (``args``); everything after it hands that tuple on whole, to
+vLLM's own ``apply`` too. The per-call path reads only ``args[HIDDEN_STATES]``; paths that read
+more name the arguments with ``ApplyCall(*args)`` (making a NamedTuple per call would cost
+about as much as the rest of the hook).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ class ApplyCall(NamedTuple):
 
 
 APPLY_PARAMS = ("self", *ApplyCall._fields)
+HIDDEN_STATES = ApplyCall._fields.index("hidden_states")
 #: ``process_weights_after_loading``'s parameters.
 LOAD_PARAMS = ("self", "layer")
 
@@ -48,8 +51,8 @@ OP_INTS = ("global_num_experts", "apply_router_weight_on_input")
 
 
 def wrap(original: Callable[..., Any],
-         body: Callable[[Any, ApplyCall], Any]) -> Callable[..., Any]:
-    """A function with ``original``'s parameters that calls ``body(self, ApplyCall(...))``.
+         body: Callable[[Any, tuple[Any, ...]], Any]) -> Callable[..., Any]:
+    """A function with ``original``'s parameters that calls ``body(self, args)``.
 
     Generated from the fields (as ``dataclasses`` generates ``__init__``): Python then binds
     each call, by keyword as vLLM passes it or by position, as it binds any call, where
@@ -62,9 +65,9 @@ def wrap(original: Callable[..., Any],
     if found != APPLY_PARAMS:
         raise ValueError(f"{original.__qualname__}{found} differs from {APPLY_PARAMS}")
     fields = ", ".join(ApplyCall._fields)
-    namespace = {"body": body, "new": tuple.__new__, "ApplyCall": ApplyCall}
+    namespace = {"body": body}
     exec(f"def apply(self, {fields}):\n"  # noqa: S102 - code made from the fields above only
-         f"    return body(self, new(ApplyCall, ({fields},)))\n", namespace)
+         f"    return body(self, ({fields},))\n", namespace)
     apply = namespace["apply"]
     apply.__qualname__ = getattr(original, "__qualname__", apply.__qualname__)
     apply.__doc__ = original.__doc__

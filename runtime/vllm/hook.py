@@ -178,19 +178,20 @@ def _wrap_apply(cls: type, spec: ExpertsSpec, state: PluginState,
     original = cls.__dict__["apply"]
     compiling = torch.compiler.is_compiling
 
-    def body(self: Any, call: ApplyCall) -> Any:
+    def body(self: Any, args: tuple[Any, ...]) -> Any:
         if compiling():  # traced (vLLM on CPU): one opaque op per layer
-            layer = getattr(self, _ATTR, None)
+            layer, call = getattr(self, _ATTR, None), ApplyCall(*args)
             if (layer is None or not layer.traced_op or call.expert_tokens_meta is not None
                     or call.activation is not layer.activation):
-                return original(self, *call)
+                return original(self, *args)
             torch.ops.moetune.experts_apply(*op_args(call), layer.op_id)
             return None
         layer = self.__dict__.get(_ATTR)
         if layer is None:
+            call = ApplyCall(*args)
             layer = _attach(self, cls, spec, state, call.w1, call.w2,
                             call.apply_router_weight_on_input, False)
-        return layer.run(call)
+        return layer.run(args)
 
     apply = wrap(original, body)
     setattr(apply, _MARK, original)

@@ -5,7 +5,7 @@ from the shared ``ShapePlan``) says whether a prepared moetune kernel runs or vL
 ``apply``; hits, misses and fallbacks are counted per layer shape. The kernels the plan names
 are prepared when the layer attaches, so a call does no I/O, evaluates no rule and prepares
 nothing. Nothing here knows vLLM's classes: the hook hands in the experts object and its
-original ``apply``; arguments travel as one ``ApplyCall``.
+original ``apply``; a call's arguments travel as one tuple (``call.py``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 import torch
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
-from moetune.runtime.vllm.call import ApplyCall, from_op
+from moetune.runtime.vllm.call import HIDDEN_STATES, ApplyCall, from_op
 from moetune.runtime.vllm.plan import Choice, ShapePlan
 from moetune.runtime.vllm.settings import Outcome
 
@@ -91,32 +91,39 @@ class Layer:
             return Step(None, _FALLBACK)
         return Step(fn, _HIT, choice.key, choice.graph_safe)
 
-    def run(self, call: ApplyCall) -> Any:
-        """One experts call: the table's winner into ``output``, or vLLM's own ``apply``.
+    def run(self, args: tuple[Any, ...]) -> Any:
+        """One experts call (``args``: ``ApplyCall``'s fields): the table's winner into
+        ``output``, or vLLM's own ``apply``."""
+        num_tokens = args[HIDDEN_STATES].shape[0]
+        step = self.steps.get(num_tokens) or self.step(num_tokens)
+        if step.fn is None:
+            self.counts[step.counter] += 1
+        elif self._ran(step, ApplyCall(*args)):
+            return None
+        else:
+            self.counts[_FALLBACK] += 1
+        return self.original(self.experts, *args)
+
+    def _ran(self, step: Step, call: ApplyCall) -> bool:
+        """Run the winner into ``call.output``; False where vLLM's kernel must run instead.
 
         A kernel that is not ``graph_safe`` never runs while a CUDA graph is being captured
         (its host sync would break the capture): vLLM's kernel is captured instead.
         """
-        x = call.hidden_states
-        step = self.steps.get(x.shape[0]) or self.step(x.shape[0])
-        if step.fn is not None:
-            if call.expert_map is None and (step.graph_safe or not self.capturing()):
-                # vLLM's prepare step already scaled the input when the weight is on the input.
-                weights = call.topk_weights
-                if call.apply_router_weight_on_input:
-                    weights = torch.ones_like(weights)
-                try:
-                    result = step.fn(x, weights, call.topk_ids)
-                except Exception as e:  # noqa: BLE001 - serving goes on with vLLM's kernel
-                    self.failed(step, e)
-                else:
-                    call.output.copy_(result)
-                    self.counts[step.counter] += 1
-                    return None
-            self.counts[_FALLBACK] += 1
-        else:
-            self.counts[step.counter] += 1
-        return self.original(self.experts, *call)
+        if call.expert_map is not None or not (step.graph_safe or not self.capturing()):
+            return False
+        # vLLM's prepare step already scaled the input when the weight is on the input.
+        weights = call.topk_weights
+        if call.apply_router_weight_on_input:
+            weights = torch.ones_like(weights)
+        try:
+            result = step.fn(call.hidden_states, weights, call.topk_ids)
+        except Exception as e:  # noqa: BLE001 - serving goes on with vLLM's kernel
+            self.failed(step, e)
+            return False
+        call.output.copy_(result)
+        self.counts[_HIT] += 1
+        return True
 
     def run_traced(self, output: torch.Tensor, tensors: list[torch.Tensor | None],
                    ints: list[int]) -> None:
