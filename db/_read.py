@@ -114,7 +114,7 @@ def read_winners(path: str | Path) -> TableSnapshot:
             .join(BucketRow, WinnerRow.bucket_id == BucketRow.id)
             .order_by(WinnerRow.id)
         )
-        for values in session.execute(query).tuples():
+        for values in session.execute(query):
             (winner_id, kernel, params_text, median_us, p20_us, p80_us, error, baseline_kernel,
              baseline_text, baseline_us, speedup, run_id, source, baselines_text, sku_id) = \
                 values[:len(columns)]
