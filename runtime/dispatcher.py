@@ -83,9 +83,10 @@ class Dispatcher:
         self.registry = registry
         self._entries = entries
         self._faults = faults or {}
-        self._refused = {shape: {**(stale or {}).get(shape, {}), **rows}
-                         for shape, rows in self._faults.items()} | {
-            shape: rows for shape, rows in (stale or {}).items() if shape not in self._faults}
+        stale = stale or {}
+        # Every bucket whose row is not served (faulty or stale), so a miss can say why.
+        self._refused = {shape: {**stale.get(shape, {}), **self._faults.get(shape, {})}
+                         for shape in {*self._faults, *stale}}
         self._points = {shape: [e.num_tokens for e in rows] for shape, rows in entries.items()}
         self._memo: dict[MoEProblem, Selection] = {}
 
@@ -236,7 +237,7 @@ class RowVerdict:
 
 
 def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_registry) -> RowVerdict:
-    """The one check of a winner row, shared by serving, ``show``, ``merge`` and ``export``.
+    """The one check of a winner row, shared by serving, ``show`` and ``tune --skip-tuned``.
 
     A row is served when its bucket and kernel are known, its params lie in the kernel's
     declared space, and, for measured rows, today's rule here is one of the baselines it was

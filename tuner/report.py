@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from statistics import geometric_mean
 from typing import Any
 
 from rich.table import Table
@@ -85,10 +86,7 @@ def speedup_markdown(snapshot: db.TableSnapshot, sku: SKU) -> str:
                           for b in others if b.get("median_us") and r.median_us) or "-",
                 "yes" if verdict.selection is not None else f"no: {verdict.reason}"))
         if gains:
-            geo = 1.0
-            for g in gains:
-                geo *= g
-            lines += ["", f"Geomean speedup over vLLM's pick: {geo ** (1 / len(gains)):.3f}x "
+            lines += ["", f"Geomean speedup over vLLM's pick: {geometric_mean(gains):.3f}x "
                           f"over {len(gains)} buckets (min {min(gains):.3f}x, max "
                           f"{max(gains):.3f}x).", ""]
     return "\n".join(lines)
