@@ -40,18 +40,20 @@ SPECS = {spec.name: spec for spec in classes.ALL_SPECS}
 FP8 = ("TritonExperts", "AiterExperts", "CPUExpertsFp8", "CPUExpertsFp8W8A8")
 
 
-def moe_config(dtype: torch.dtype = torch.float32) -> vllm_config.FusedMoEConfig:
+def moe_config(dtype: torch.dtype = torch.float32, inter: int = I) -> vllm_config.FusedMoEConfig:
     return vllm_config.FusedMoEConfig(
-        num_experts=E, experts_per_token=TOPK, hidden_dim=H, intermediate_size=I,
+        num_experts=E, experts_per_token=TOPK, hidden_dim=H, intermediate_size=inter,
         num_local_experts=E, num_logical_experts=E, activation=MoEActivation.SILU, device="cpu",
         routing_method=vllm_config.RoutingMethodType.Renormalize,
         moe_parallel_config=vllm_config.FusedMoEParallelConfig.make_no_parallel(),
         in_dtype=dtype)
 
 
-def weights(dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+def weights(dtype: torch.dtype = torch.float32,
+            inter: int = I) -> tuple[torch.Tensor, torch.Tensor]:
     torch.manual_seed(0)
-    return (torch.randn(E, 2 * I, H) / 8).to(dtype), (torch.randn(E, H, I) / 8).to(dtype)
+    return ((torch.randn(E, 2 * inter, H) / 8).to(dtype),
+            (torch.randn(E, H, inter) / 8).to(dtype))
 
 
 def test_every_platform_lists_only_wrapped_classes():
@@ -216,3 +218,122 @@ def test_isa_specific_cpu_experts_inherit_the_hooked_methods():
     for cls in classes.cpu_experts("CPUExpertsFp8", "CPUExpertsFp8W8A8"):
         assert isinstance(cls._supports_current_device(), bool)
         assert cls._supports_activation(MoEActivation.SILU)
+
+
+def test_triton_experts_quantize_their_own_activations_when_asked():
+    """What the hook's ``defers_input_quant`` relies on in vLLM's sources: ``TritonExperts``
+    declares the property, its ``apply`` quantizes unquantized activations itself (as the
+    prepare step would), and the no-EP prepare step then hands them over untouched."""
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import no_dp_ep
+
+    cls = SPECS["TritonExperts"].load()
+    assert SPECS["TritonExperts"].defers_input_quant
+    classes.check_property(cls, classes.DEFER_PROPERTY)
+    source = inspect.getsource(hook.original(cls))
+    branch = source.split(f"if self.{classes.DEFER_PROPERTY}:", 1)[1].split("E, num_tokens", 1)[0]
+    assert "moe_kernel_quantize_input(" in branch and "self.block_shape" in branch
+    a1 = torch.randn(3, H, dtype=torch.bfloat16)
+    a1q, scale = no_dp_ep._quantize_input(a1, None, defer_input_quant=True)
+    assert a1q is a1 and scale is None
+
+
+#: Block-fp8 layers need whole 128 x 128 blocks.
+I_FP8 = 128
+FP8_SHAPE = Shape(H, I_FP8, E, TOPK, "bfloat16", "fp8_block_128x128", "silu", True, False)
+
+
+def fp8_block_layer() -> tuple[vllm_config.FusedMoEQuantConfig, MoEWeights]:
+    """Block-fp8 weights (float32 scales, 128 x 128) and vLLM's quant config of them."""
+    from moetune.runtime.kernels.quant import quantize_weights
+
+    w13, w2 = weights(inter=I_FP8)
+    q = quantize_weights(w13, w2, QuantScheme.FP8_BLOCK_128X128)
+    config = vllm_config.fp8_w8a8_moe_quant_config(w1_scale=q.w13_scale, w2_scale=q.w2_scale,
+                                                   block_shape=[128, 128])
+    return config, q
+
+
+@pytest.fixture
+def triton_experts(monkeypatch):
+    """vLLM's TritonExperts, hooked here and unhooked after the test. Its Triton kernel cannot
+    run on a CPU: its ``apply`` is replaced (same signature) by one that records what vLLM's
+    kernel would have been handed and writes zeros."""
+    cls = SPECS["TritonExperts"].load()
+    seen = []
+
+    def record(self, args):
+        call = ApplyCall(*args)
+        seen.append((call.hidden_states.dtype, call.a1q_scale))
+        call.output.zero_()
+
+    monkeypatch.setattr(cls, "apply", wrap(cls.__dict__["apply"], record))
+    monkeypatch.setattr(cls, classes.DEFER_PROPERTY, cls.__dict__[classes.DEFER_PROPERTY])
+    return cls, seen
+
+
+def test_fp8_triton_layers_get_unquantized_activations_from_vllms_prepare_step(
+        triton_experts, tmp_path, cpu_sku):
+    """A block-fp8 ``TritonExperts`` layer inside vLLM's real modular kernel and prepare step:
+    its first call (quantized by vLLM before the layer attached) runs vLLM's kernel; from then
+    on the prepare step leaves the activations alone, the winner computes from them, and
+    vLLM's kernel, where it runs, gets them unquantized (its ``apply`` quantizes them)."""
+    from vllm.model_executor.layers.fused_moe.prepare_finalize import no_dp_ep
+
+    cls, seen = triton_experts
+    shape = FP8_SHAPE
+    rule = rule_choice(shape.problem(64), cpu_sku)
+    table = write_winners(tmp_path / "t.db", shape, (1, 8), "torch_grouped", sku=cpu_sku)
+    write_winners(table, shape, (64,), rule.kernel, rule.params, sku=cpu_sku)
+    state = PluginState(Settings(table=table))
+    assert hook.install(state, (SPECS["TritonExperts"],)) == ["TritonExperts"]
+    config, q = fp8_block_layer()
+    experts = cls(moe_config(torch.bfloat16, I_FP8), config)
+    kernel = modular_kernel.FusedMoEKernel(no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular(),
+                                           experts)
+    assert not experts.expects_unquantized_inputs
+    reference = default_registry.get("reference")
+    torch.manual_seed(1)
+
+    def forward(m: int, first: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        x = torch.randn(m, H, dtype=torch.bfloat16)
+        topk_weights = torch.rand(m, TOPK)
+        topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
+        want = reference.prepare(shape.problem(m), {}, q)(x, topk_weights, topk_ids)
+        if first:  # what vLLM's prepare step hands a layer that has not asked (no GPU here)
+            out = torch.empty(m, H, dtype=torch.bfloat16)
+            experts.apply(out, x.to(torch.float8_e4m3fn), q.w13, q.w2, topk_weights, topk_ids,
+                          MoEActivation.SILU, E, None, torch.ones(m, H // 128), None, None,
+                          None, None, False)
+            return out, want
+        return kernel.apply(x, q.w13, q.w2, topk_weights, topk_ids, MoEActivation.SILU, E,
+                            None, False), want
+
+    forward(1, first=True)
+    assert seen == [(torch.float8_e4m3fn, seen[0][1])] and seen[0][1] is not None
+    assert experts.expects_unquantized_inputs  # switched for the calls that follow
+    for m in (1, 8):
+        out, want = forward(m)
+        assert (out.float() - want).norm() < 1e-2 * want.norm()  # bfloat16 rounding only
+    assert len(seen) == 1  # the winner ran, not vLLM's kernel
+    out, _ = forward(64)
+    assert seen[1:] == [(torch.bfloat16, None)] and not out.any()  # vLLM's kernel, unquantized
+    assert next(iter(state.counts.values())) == {"hit": 3, "miss": 0, "fallback": 1}
+
+
+def test_fp8_triton_layers_that_never_run_moetune_keep_vllms_quantization(
+        triton_experts, tmp_path, cpu_sku):
+    cls, seen = triton_experts
+    shape = FP8_SHAPE
+    rule = rule_choice(shape.problem(1), cpu_sku)
+    table = write_winners(tmp_path / "t.db", shape, (1, 8), rule.kernel, rule.params,
+                          sku=cpu_sku)
+    hook.install(PluginState(Settings(table=table)), (SPECS["TritonExperts"],))
+    config, q = fp8_block_layer()
+    experts = cls(moe_config(torch.bfloat16, I_FP8), config)
+    for _ in range(2):
+        experts.apply(torch.empty(1, H, dtype=torch.bfloat16),
+                      torch.zeros(1, H, dtype=torch.float8_e4m3fn), q.w13, q.w2,
+                      torch.ones(1, TOPK), torch.zeros(1, TOPK, dtype=torch.int32),
+                      MoEActivation.SILU, E, None, torch.ones(1, H // 128), None, None, None,
+                      None, False)
+    assert not experts.expects_unquantized_inputs and len(seen) == 2

@@ -41,6 +41,11 @@ class ExpertsSpec:
     so a plain copy is kept before it does (for layers that run a moetune kernel).
     ``copy_at_pack``: vLLM's fp8 method packs them before the experts object exists
     (``prepack.FUNCTION``); a plain copy is kept there (``prepack``), likewise.
+    ``defers_input_quant``: the class quantizes the activations itself in ``apply`` when its
+    ``expects_unquantized_inputs`` property says so (vLLM's prepare step then hands them over
+    unquantized). For fp8 layers that run a moetune kernel the hook makes it say so: moetune's
+    kernels then get the activations as they were tuned, and vLLM's own kernel, where it
+    runs, quantizes them exactly as its prepare step would have.
     """
 
     module: str
@@ -48,6 +53,7 @@ class ExpertsSpec:
     held: Held
     copy_at_load: bool = False
     copy_at_pack: bool = False
+    defers_input_quant: bool = False
 
     @property
     def layout(self) -> WeightLayout | None:
@@ -73,7 +79,8 @@ CPU_SPECS = (
     ExpertsSpec(_EXPERTS + "cpu_moe", "CPUExpertsFp8", Held.CPU_PREPACKED, copy_at_pack=True),
     ExpertsSpec(_EXPERTS + "cpu_moe", "CPUExpertsFp8W8A8", Held.CPU_PREPACKED),
 )
-TRITON = ExpertsSpec(_EXPERTS + "triton_moe", "TritonExperts", Held.PLAIN)
+TRITON = ExpertsSpec(_EXPERTS + "triton_moe", "TritonExperts", Held.PLAIN,
+                     defers_input_quant=True)
 CUDA_SPECS = (TRITON,)
 ROCM_SPECS = (ExpertsSpec(_EXPERTS + "rocm_aiter_moe", "AiterExperts", Held.AITER_SHUFFLED),
               TRITON)
@@ -104,6 +111,18 @@ def platform_specs() -> tuple[ExpertsSpec, ...]:
     if current_platform.is_cuda():
         return CUDA_SPECS
     raise IncompatibleVllm(f"no MoE hook for platform {type(current_platform).__name__}")
+
+
+#: The property vLLM's prepare step reads to leave activation quantization to ``apply``.
+DEFER_PROPERTY = "expects_unquantized_inputs"
+
+
+def check_property(cls: type, name: str) -> None:
+    """Raise IncompatibleVllm unless ``cls`` itself defines the property ``name`` (moetune's
+    wrapper is a property too)."""
+    found = cls.__dict__.get(name)
+    if not isinstance(found, property) or found.fget is None:
+        raise IncompatibleVllm(f"{cls.__name__}.{name} is not a property of the class")
 
 
 def check_method(cls: type, method: str, params: tuple[str, ...], mark: str) -> None:

@@ -23,12 +23,13 @@ _ACTIVATIONS = {"silu": (Activation.SILU, True), "gelu": (Activation.GELU, True)
                 "silu_no_mul": (Activation.SILU, False), "gelu_no_mul": (Activation.GELU, False)}
 
 
-def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor,
-             on_input: bool) -> tuple[Shape | None, str]:
-    """The layer's ``Shape``, or None and the reason moetune leaves it to vLLM."""
+def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor, on_input: bool,
+             defers: bool = False) -> tuple[Shape | None, str]:
+    """The layer's ``Shape``, or None and the reason moetune leaves it to vLLM (``defers``:
+    the class can be made to quantize its activations itself, ``ExpertsSpec``)."""
     cfg, qc = experts.moe_config, experts.quant_config
     if qc.is_quantized or qc.weight_quant_dtype is not None:
-        why = unsupported(experts)
+        why = unsupported(experts, defers)
         if why:
             return None, why
     if experts.w1_bias is not None or experts.w2_bias is not None:
@@ -45,7 +46,7 @@ def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor,
     inter = rows // 2 if act[1] else rows
     if tuple(w2.shape) != (experts_n, hidden, inter):
         return None, f"w13 {tuple(w13.shape)} and w2 {tuple(w2.shape)} do not match"
-    quant, _, why = weight_quant(experts, w13, w2)
+    quant, _, why = weight_quant(experts, w13, w2, defers)
     if quant is None:
         return None, why
     try:
@@ -57,9 +58,9 @@ def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor,
     return shape, ""
 
 
-def layer_weights(experts: Any, shape: Shape, w13: torch.Tensor,
-                  w2: torch.Tensor) -> MoEWeights:
+def layer_weights(experts: Any, shape: Shape, w13: torch.Tensor, w2: torch.Tensor,
+                  defers: bool = False) -> MoEWeights:
     """The weights moetune's kernels run for a layer ``describe`` gave ``shape``: ``w13`` and
     ``w2`` with, for fp8, vLLM's own scales in moetune's layout (views, not copies)."""
-    _, scales, _ = weight_quant(experts, w13, w2)
+    _, scales, _ = weight_quant(experts, w13, w2, defers)
     return MoEWeights(w13, w2, shape.quant, *(scales or (None, None)))

@@ -9,6 +9,11 @@ and finalize steps, which stay vLLM's. Dispatch is two-level, as DESIGN.md says:
   (E, N, K) weights, so they are used as they are; vLLM's CPU experts prepack theirs in
   ``process_weights_after_loading``, so a plain copy is kept before that, but only for layers
   whose plan runs a moetune kernel somewhere (none where vLLM's own kernel wins every bucket).
+* fp8 layers of a class that quantizes activations itself when asked (``TritonExperts``:
+  ``ExpertsSpec.defers_input_quant``) and that run a moetune kernel somewhere are asked to,
+  from their second call on (vLLM's prepare step quantized the first one before the layer was
+  attached; vLLM's kernel runs it): moetune's kernels then get unquantized activations, as they
+  were tuned, and vLLM's own ``apply`` quantizes them as its prepare step would have.
 * per call, ``Layer.run``: one memoized dict lookup by num_tokens -> the prepared winner, or
   vLLM's own ``apply``. While a CUDA graph is captured, winners that are not ``graph_safe``
   give way to vLLM's kernel. Where Dynamo traces the experts (vLLM on the CPU), layers that run
@@ -29,10 +34,10 @@ from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.problem import QuantScheme
 from moetune.runtime.vllm import op, prepack
 from moetune.runtime.vllm.call import APPLY_PARAMS, LOAD_PARAMS, ApplyCall, op_args, wrap
-from moetune.runtime.vllm.classes import ExpertsSpec, check_method
+from moetune.runtime.vllm.classes import DEFER_PROPERTY, ExpertsSpec, check_method, check_property
 from moetune.runtime.vllm.describe import describe, layer_weights
 from moetune.runtime.vllm.layer import Layer
-from moetune.runtime.vllm.settings import Mode
+from moetune.runtime.vllm.settings import Mode, Outcome
 from moetune.runtime.vllm.state import PluginState, shape_label
 
 logger = logging.getLogger("moetune")
@@ -40,6 +45,7 @@ logger = logging.getLogger("moetune")
 _MARK = "__moetune_original__"
 _PROBE = "__moetune_capturing__"
 _ATTR = "_moetune_layer"
+_DEFER = "_moetune_defers_input_quant"  # True: the layer's activations reach apply unquantized
 
 
 def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
@@ -57,6 +63,8 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
             check_method(cls, "process_weights_after_loading", LOAD_PARAMS, _MARK)
         if spec.copy_at_pack:
             prepack.check()
+        if spec.defers_input_quant:
+            check_property(cls, DEFER_PROPERTY)
         found.append((cls, spec))
     capturing = _capture_probe()
     op.ensure_registered()
@@ -68,6 +76,9 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
         load = cls.__dict__.get("process_weights_after_loading")
         if spec.copy_at_load and not getattr(load, _MARK, None):
             cls.process_weights_after_loading = _wrap_load(cls, spec, state)
+        defer = cls.__dict__.get(DEFER_PROPERTY)
+        if spec.defers_input_quant and not getattr(defer.fget, _MARK, None):
+            setattr(cls, DEFER_PROPERTY, _wrap_defer(defer))
     return [cls.__name__ for cls, _ in found]
 
 
@@ -87,6 +98,19 @@ def original(cls: type, method: str = "apply") -> Callable[..., Any]:
     """vLLM's own ``method`` of a hooked class (the method itself if not hooked)."""
     fn = cls.__dict__[method]
     return getattr(fn, _MARK, fn)
+
+
+def _wrap_defer(original: property) -> property:
+    """``expects_unquantized_inputs`` answering True for the layers the hook switched
+    (``_DEFER``), vLLM's own answer for every other."""
+    vllm_answer = original.fget
+    assert vllm_answer is not None  # check_property
+
+    def expects_unquantized_inputs(self: Any) -> bool:
+        return self.__dict__.get(_DEFER) is True or vllm_answer(self)
+
+    setattr(expects_unquantized_inputs, _MARK, vllm_answer)
+    return property(expects_unquantized_inputs, doc=original.__doc__)
 
 
 def _capture_probe() -> Callable[[], bool]:
@@ -114,7 +138,7 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     if plain is not None:
         w13, w2 = plain  # what vLLM packed: describe, and run on, the plain fp8 weights
     try:
-        shape, why = describe(experts, w13, w2, on_input)
+        shape, why = describe(experts, w13, w2, on_input, spec.defers_input_quant)
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
         shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
     # A class whose weights no moetune kernel can read still gets its plan's hits and misses.
@@ -126,7 +150,7 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
         elif spec.copy_at_pack:  # kept while vLLM packed them
             copied = plain is not None
         if copied or not (spec.copy_at_load or spec.copy_at_pack):
-            weights = layer_weights(experts, shape, w13, w2)
+            weights = layer_weights(experts, shape, w13, w2, spec.defers_input_quant)
         if copied:
             state.plain_copy_bytes += sum(t.numel() * t.element_size() for t in (w13, w2))
     label = shape_label(shape) if shape is not None else f"not handled: {why}"
@@ -138,19 +162,24 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     layer.traced_op = bool(layer.fns) or state.settings.mode is Mode.RECORD
     layer.activation = experts.moe_config.activation if shape is not None else None
     layer.op_id = op.bind(layer)
+    if (spec.defers_input_quant and weights is not None and experts.quant_config.quant_dtype
+            is not None and not experts.expects_unquantized_inputs):
+        experts.__dict__[_DEFER] = False  # from the next call on (``_wrap_apply``)
     experts.__dict__[_ATTR] = layer
     state.layers += 1
     state.hook_exit()
-    _announce(state, spec, label, layer, copied)
+    _announce(state, spec, label, layer, copied, _DEFER in experts.__dict__)
     return layer
 
 
 def _announce(state: PluginState, spec: ExpertsSpec, label: str, layer: Layer,
-              copied: bool) -> None:
+              copied: bool, defers: bool) -> None:
     """The startup line of each distinct (shape, weight layout): what vLLM holds, what moetune
     kernels run on, and what each bucket runs."""
     if layer.weights is not None:
         runs_on = "moetune kernels run on a plain copy" if copied else "moetune kernels use them"
+        if defers:
+            runs_on += " with unquantized activations (vLLM's kernel quantizes its own)"
     elif layer.plan is not None and layer.plan.runs_moetune:
         runs_on = "no moetune kernel can run on them (those buckets fall back)"
     else:
@@ -191,6 +220,11 @@ def _wrap_apply(cls: type, spec: ExpertsSpec, state: PluginState,
             call = ApplyCall(*args)
             layer = _attach(self, cls, spec, state, call.w1, call.w2,
                             call.apply_router_weight_on_input, False)
+            if self.__dict__.get(_DEFER) is False:  # quantized by vLLM before the switch
+                layer.counts[Outcome.FALLBACK.value] += 1
+                result = original(self, *args)
+                self.__dict__[_DEFER] = True
+                return result
         return layer.run(args)
 
     apply = wrap(original, body)

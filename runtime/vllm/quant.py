@@ -9,8 +9,9 @@ alike; the quant config an experts object holds references those tensors as
 (``kernels/quant.py``), so per-channel scales are viewed without their trailing 1.
 
 Only what moetune's kernels compute the same way is described: fp8 e4m3 weights in one of the
-tuned schemes, with activations that reach the experts unquantized (vLLM's W8A16 CPU kernel, or
-an experts class that quantizes them itself) and no static activation scales.
+tuned schemes, with activations that reach the experts unquantized (vLLM's W8A16 CPU kernel, an
+experts class that quantizes them itself, or one the hook can make do so: ``defers``) and no
+static activation scales.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ _FP8 = torch.float8_e4m3fn
 _PER_TENSOR, _PER_ROW = (-1, -1), (1, -1)  # vLLM's GroupShape.PER_TENSOR and PER_TOKEN
 
 
-def weight_quant(experts: Any, w13: torch.Tensor, w2: torch.Tensor
+def weight_quant(experts: Any, w13: torch.Tensor, w2: torch.Tensor, defers: bool = False
                  ) -> tuple[QuantScheme | None, tuple[torch.Tensor, torch.Tensor] | None, str]:
     """The scheme of ``experts.quant_config`` and its (w13, w2) scales in moetune's layout
     (None for unquantized layers), or None, None and why moetune leaves the layer to vLLM.
@@ -38,7 +39,7 @@ def weight_quant(experts: Any, w13: torch.Tensor, w2: torch.Tensor
     qc = experts.quant_config
     if qc.weight_quant_dtype is None and not qc.is_quantized:
         return QuantScheme.NONE, None, ""
-    why = unsupported(experts)
+    why = unsupported(experts, defers)
     if why:
         return None, None, why
     group = None if qc._w1.shape is None else tuple(qc._w1.shape)
@@ -65,15 +66,16 @@ def weight_quant(experts: Any, w13: torch.Tensor, w2: torch.Tensor
     return scheme, (scales[0], scales[1]), ""
 
 
-def unsupported(experts: Any) -> str:
+def unsupported(experts: Any, defers: bool = False) -> str:
     """Why moetune's kernels do not compute this quantized layer as vLLM does ("" if they do):
-    weights other than fp8 e4m3, static activation scales, or activations vLLM quantized."""
+    weights other than fp8 e4m3, static activation scales, or activations vLLM quantized
+    (unless ``defers``: the hook can make the class take them unquantized)."""
     qc = experts.quant_config
     if qc.weight_quant_dtype != _FP8:
         return f"quantized ({qc.weight_quant_dtype})"
     if qc.a1_scale is not None or qc.a2_scale is not None:
         return "static activation scales (moetune's kernels quantize dynamically)"
-    if qc.quant_dtype is not None and not experts.expects_unquantized_inputs:
+    if qc.quant_dtype is not None and not (defers or experts.expects_unquantized_inputs):
         return "activations reach the experts quantized to fp8 by vLLM"
     return ""
 
