@@ -239,8 +239,9 @@ class RowVerdict:
 def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_registry) -> RowVerdict:
     """The one check of a winner row, shared by serving, ``show`` and ``tune --skip-tuned``.
 
-    A row is served when its bucket and kernel are known, its params lie in the kernel's
-    declared space, and, for measured rows, today's rule here is one of the baselines it was
+    A row is served when it is valid (``row_problem``, the part ``merge``, ``export`` and
+    ``import`` share: its bucket and kernel are known and its params lie in the kernel's
+    declared space) and, for measured rows, today's rule here is one of the baselines it was
     timed against: if the winner beat it the winner runs, if not the rule's pick runs. Imported
     rows won nothing here; they are the user's choice and serve as they are.
     """
@@ -248,18 +249,9 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
                                                                  sku.arch):
         return RowVerdict(None, f"for {row.sku['vendor']}:{row.sku['name']} ({row.sku['arch']}), "
                                 f"this device is {sku.label()}", other_sku=True)
-    try:
-        problem = MoEProblem.from_row(row.bucket)
-    except (MoetuneError, KeyError, TypeError, ValueError) as e:
-        return RowVerdict(None, f"invalid bucket: {e}")
-    try:
-        kernel = registry.get(row.kernel)
-    except KeyError:
-        return RowVerdict(None, f"unknown kernel {row.kernel!r}", problem)
-    try:
-        params = kernel.validate(row.params)
-    except (MoetuneError, TypeError) as e:
-        return RowVerdict(None, f"invalid params: {e}", problem)
+    problem, params, invalid = _validated(row, registry)
+    if invalid is not None:
+        return RowVerdict(None, invalid, problem)
     served = Selection(row.kernel, params, "table",
                        f"table winner for bucket M={problem.num_tokens}", problem.num_tokens,
                        row.median_us, row.speedup)
@@ -282,6 +274,35 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
                      f"table: the rule's pick is as fast as any candidate at M="
                      f"{problem.num_tokens}", problem.num_tokens, measured.get("median_us"), 1.0)
     return RowVerdict(kept, "today's rule was not beaten: the rule's pick runs", problem)
+
+
+def row_problem(row: WinnerRecord, registry: Registry = default_registry) -> str | None:
+    """Why ``row`` is invalid on any device, or None: the row-level part of ``row_verdict``.
+
+    A row is invalid when its bucket is not a MoE problem, its kernel is unknown, or its params
+    lie outside the kernel's declared space. Staleness and the SKU are serving questions this
+    leaves to ``row_verdict``. ``merge``, ``export`` and ``import`` drop the rows this refuses,
+    with this reason (the one ``show`` prints); rows that ``read_winners`` could not parse are
+    refused before any check.
+    """
+    return _validated(row, registry)[2]
+
+
+def _validated(row: WinnerRecord, registry: Registry) -> tuple[
+        MoEProblem | None, dict[str, Any] | None, str | None]:
+    """The row's problem and checked params, or why it has none (the problem when known)."""
+    try:
+        problem = MoEProblem.from_row(row.bucket)
+    except (MoetuneError, KeyError, TypeError, ValueError) as e:
+        return None, None, f"invalid bucket: {e}"
+    try:
+        kernel = registry.get(row.kernel)
+    except KeyError:
+        return problem, None, f"unknown kernel {row.kernel!r}"
+    try:
+        return problem, kernel.validate(row.params), None
+    except (MoetuneError, TypeError) as e:
+        return problem, None, f"invalid params: {e}"
 
 
 def load_dispatcher(path: str | Path | None, sku: SKU, **kwargs: Any) -> Dispatcher:
