@@ -31,6 +31,7 @@ KERNEL_PATHS: dict[str, str] = {
     "aiter_fused_moe": "moetune.runtime.kernels.aiter_fused_moe:AiterFusedMoeKernel",
     "aiter_asm_tkw1": "moetune.runtime.kernels.aiter_asm_tkw1:AiterAsmTkw1Kernel",
     "aiter_asm_blockscale": "moetune.runtime.kernels.aiter_asm_blockscale:AiterAsmBlockscaleKernel",
+    "moetune_decode": "moetune.runtime.kernels.moetune_decode:MoetuneDecodeKernel",
 }
 
 

@@ -8,7 +8,9 @@ before anything imports them (the outer test below); run there, they are ordinar
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import itertools
 import os
 import subprocess
 import sys
@@ -17,7 +19,8 @@ import pytest
 import torch
 
 from moetune.runtime.kernels.triton_config import vllm_default_config, with_prefix
-from moetune.runtime.problem import MoEProblem
+from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import MoEProblem, QuantScheme
 from moetune.runtime.registry import default_registry
 from moetune.tuner.gate import relative_error
 from moetune.tuner.inputs import make_batch, make_weights
@@ -143,3 +146,184 @@ def test_vllm_default_config_runs_interpreted(cpu_sku):
     out = kernel.prepare(problem, vllm_default_config(problem), weights)(*batch.args())
     ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
     assert relative_error(out, ref) <= TOLERANCE["float32"]
+
+
+# --- moetune_decode: the small-M kernel (two launches, no routing step) ------------------------
+# Its interpreted checks run in a process of their own (the outer test below), so the aiter
+# checks above keep their time budget.
+DECODE_INTERPRETED = INTERPRETED and os.environ.get("MOETUNE_DECODE_CHECKS") == "1"
+decode_interpreted = pytest.mark.skipif(
+    not DECODE_INTERPRETED, reason="runs inside test_decode_checks_pass_in_a_fresh_process")
+DECODE = {"g1_BLOCK_N": 16, "g1_BLOCK_K": 64, "g1_num_warps": 4, "g1_num_stages": 2,
+          "g2_BLOCK_N": 32, "g2_BLOCK_K": 32, "g2_num_warps": 4, "g2_num_stages": 2,
+          "SPLIT_K": 1, "REDUCE": "atomic"}
+# (problem, overrides): float32/float16, gated or not, silu/gelu, top-1 (a direct store) and
+# top-k (each reduce), the router weight on the input, split-K on and off, and tails: H=72 and
+# I=40 are multiples of no tile here; I=100 leaves the last split 4 columns.
+DECODE_CASES = [
+    (MoEProblem(3, 64, 32, 8, 2, dtype="float32"), {}),
+    (MoEProblem(3, 64, 64, 8, 2, dtype="float32"), {"SPLIT_K": 2, "REDUCE": "ordered"}),
+    (MoEProblem(2, 72, 40, 8, 1, dtype="float16", router_weight_on_input=True), {}),
+    (MoEProblem(2, 72, 40, 8, 1, dtype="float16", router_weight_on_input=True), {"SPLIT_K": 2}),
+    (MoEProblem(3, 48, 40, 8, 3, dtype="float16", activation="gelu", gated=False),
+     {"REDUCE": "atomic_out"}),
+    (MoEProblem(4, 64, 48, 16, 4, dtype="float32", activation="gelu"), {"REDUCE": "ordered"}),
+    (MoEProblem(2, 64, 96, 8, 2, dtype="float16", gated=False, router_weight_on_input=True),
+     {"SPLIT_K": 2, "REDUCE": "atomic_out"}),
+    (MoEProblem(2, 72, 100, 8, 2, dtype="float32"), {"SPLIT_K": 4, "g1_BLOCK_K": 128}),
+    (MoEProblem(2, 72, 40, 8, 2, dtype="float16"), {"SPLIT_K": 2, "REDUCE": "ordered"}),
+]
+
+
+def _case_id(case):
+    return case.describe().replace(" ", "-") if isinstance(case, MoEProblem) else (
+        "+".join(f"{k}={v}" for k, v in case.items()) or "base")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_decode_checks_pass_in_a_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MOETUNE_DECODE_CHECKS": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                          "decode", __file__], check=False, env=env, capture_output=True,
+                         text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    expected = len(DECODE_CASES) + len(FP8_EMULATED) + 1  # every interpreted decode check ran
+    assert f"{expected} passed" in run.stdout.strip().splitlines()[-1], run.stdout[-2000:]
+
+
+@decode_interpreted
+@pytest.mark.parametrize("problem,override", DECODE_CASES, ids=_case_id)
+def test_decode_kernel_matches_reference_interpreted(problem, override, cpu_sku):
+    kernel = default_registry.get("moetune_decode")
+    assert kernel.supports(problem, cpu_sku) == (True, None)
+    params = kernel.validate({**DECODE, **override})
+    assert kernel.check_params(problem, params) is None
+    weights = make_weights(problem, "cpu", seed=1)
+    batch = make_batch(problem, "cpu", seed=2)
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    out = kernel.prepare(problem, params, weights)(*batch.args())
+    assert out.dtype == batch.x.dtype and out.shape == batch.x.shape
+    assert relative_error(out, ref) <= TOLERANCE[problem.dtype.value]
+
+
+# fp8 weights cannot run here, but their scales can: float32 weights holding the fp8 values,
+# with the scheme's scales, go through the kernel's dequantization exactly as on the GPU (the
+# reference multiplies the same values by the same scales). The tuner's weights give each
+# group its own scale, so a scale read from the wrong row, block or expert fails.
+FP8_EMULATED = [
+    (MoEProblem(3, 64, 48, 8, 2, dtype="float32", quant="fp8_per_tensor"), {}),
+    (MoEProblem(2, 64, 48, 8, 1, dtype="float32", quant="fp8_per_channel",
+                router_weight_on_input=True), {"SPLIT_K": 2}),
+    (MoEProblem(3, 64, 48, 8, 2, dtype="float32", quant="fp8_per_channel", gated=False,
+                activation="gelu"), {"REDUCE": "ordered"}),
+    # BLOCK_K 256 spans both 128-column scale blocks of H, 64 lies inside one; the gate and up
+    # halves of W13 sit in different 128-row blocks.
+    (MoEProblem(2, 256, 128, 4, 2, dtype="float32", quant="fp8_block_128x128"),
+     {"g1_BLOCK_N": 32, "g1_BLOCK_K": 256, "g1_num_warps": 8, "g2_BLOCK_N": 64,
+      "g2_BLOCK_K": 64, "g2_num_warps": 8}),
+    (MoEProblem(2, 256, 256, 4, 2, dtype="float32", quant="fp8_block_128x128"),
+     {"g1_BLOCK_N": 64, "g1_BLOCK_K": 64, "g1_num_warps": 8, "g2_BLOCK_N": 128,
+      "g2_BLOCK_K": 128, "g2_num_warps": 8, "SPLIT_K": 2, "REDUCE": "ordered"}),
+]
+
+
+@decode_interpreted
+@pytest.mark.parametrize("problem,override", FP8_EMULATED, ids=_case_id)
+def test_decode_kernel_applies_fp8_scales_interpreted(problem, override, cpu_sku):
+    kernel = default_registry.get("moetune_decode")
+    ok, why = kernel.supports(problem, cpu_sku)
+    assert not ok and "fp8" in why  # real fp8 weights are refused here
+    params = kernel.validate({**DECODE, **override})
+    assert kernel.check_params(problem, params) is None
+    weights = make_weights(problem, "cpu", seed=1)
+    weights.w13, weights.w2 = weights.w13.float(), weights.w2.float()
+    batch = make_batch(problem, "cpu", seed=2)
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    out = kernel.prepare(problem, params, weights)(*batch.args())
+    assert relative_error(out, ref) <= TOLERANCE["float32"]
+    unscaled = dataclasses.replace(weights, w2_scale=torch.ones_like(weights.w2_scale))
+    wrong = kernel.prepare(problem, params, unscaled)(*batch.args())
+    assert relative_error(wrong, ref) > 10 * TOLERANCE["float16"]
+
+
+@decode_interpreted
+def test_tuner_offers_and_gates_the_decode_kernel_interpreted(cpu_sku):
+    from moetune.runtime.registry import Registry
+    from moetune.tuner.measure import Measurer, Status
+
+    problem = MoEProblem(1, 64, 32, 4, 2, dtype="float32")
+    registry = Registry({n: p for n, p in default_registry.paths().items()
+                         if n in ("reference", "torch_loop", "moetune_decode")})
+    assert "moetune_decode" in [k.name for k in registry.candidates(problem, cpu_sku)]
+    kernel = registry.get("moetune_decode")
+    seed = kernel.seed_params(problem, cpu_sku)
+    assert seed is not None and kernel.validate(seed) == seed
+    measurer = Measurer(problem, "cpu", registry, reps=2)
+    result = measurer.measure("moetune_decode", dict(DECODE, g1_BLOCK_N=32, g2_BLOCK_N=64))
+    assert result.status is Status.OK and result.error <= 1e-5, result
+    assert not registry.get("moetune_decode").supports(problem.with_tokens(129), cpu_sku)[0]
+
+
+H100 = SKU(Vendor.NVIDIA, "H100", "sm_90", 132, 80 << 30)
+DECODE_SKUS = {"sm_90": H100, "sm_80": SKU(Vendor.NVIDIA, "A100", "sm_80", 108, 80 << 30),
+               "sm_75": SKU(Vendor.NVIDIA, "T4", "sm_75", 40, 16 << 30),
+               "gfx942": SKU(Vendor.AMD, "MI300X", "gfx942", 304, 192 << 30),
+               "gfx950": SKU(Vendor.AMD, "MI355X", "gfx950", 256, 288 << 30),
+               "gfx90a": SKU(Vendor.AMD, "MI250X", "gfx90a", 110, 64 << 30)}
+# The shapes the kernel is for (TP8 where sharded): Llama-4-Maverick, DeepSeek-V3, Qwen3-30B-A3B.
+DECODE_SHAPES = {
+    "llama4": MoEProblem(1, 5120, 1024, 128, 1, quant="fp8_per_channel", router_weight_on_input=True),
+    "deepseek": MoEProblem(1, 7168, 256, 256, 8, quant="fp8_block_128x128"),
+    "qwen3": MoEProblem(1, 2048, 768, 128, 8),
+}
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_decode_eligibility_names_devices_schemes_and_sizes(cpu_sku):
+    kernel = default_registry.get("moetune_decode")
+    bf16, block = DECODE_SHAPES["qwen3"], DECODE_SHAPES["deepseek"]
+    ok, why = kernel.supports(dataclasses.replace(bf16, dtype="float32"), cpu_sku)
+    assert not ok and "GPU" in why  # without TRITON_INTERPRET=1
+    verdicts = {arch: (kernel.supports(bf16, sku), kernel.supports(block, sku))
+                for arch, sku in DECODE_SKUS.items()}
+    assert verdicts["sm_90"] == ((True, None), (True, None))
+    assert verdicts["sm_80"][0] == (True, None) and "sm_89" in verdicts["sm_80"][1][1]
+    assert "sm_80 or newer" in verdicts["sm_75"][0][1]
+    assert verdicts["gfx942"][0] == (True, None) and "e4m3fnuz" in verdicts["gfx942"][1][1]
+    assert verdicts["gfx950"] == ((True, None), (True, None))
+    assert "gfx942/gfx950" in verdicts["gfx90a"][0][1]
+    assert kernel.supports(bf16.with_tokens(32), H100) == (True, None)  # 32 x 8 = 256 pairs
+    ok, why = kernel.supports(bf16.with_tokens(33), H100)
+    assert not ok and "264 > 256" in why
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_decode_seeds_fit_every_scheme_and_decode_size(shape):
+    kernel = default_registry.get("moetune_decode")
+    for quant, m in itertools.product(QuantScheme, (1, 2, 4, 8, 16, 32)):
+        problem = dataclasses.replace(DECODE_SHAPES[shape], quant=quant, num_tokens=m)
+        seed = kernel.seed_params(problem, H100)
+        assert seed is not None and kernel.validate(seed) == seed, (problem.describe(), seed)
+        assert kernel.check_params(problem, seed) is None
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_decode_constraints_drop_what_cannot_fit_or_repeats_another_point():
+    kernel = default_registry.get("moetune_decode")
+    llama4, qwen3 = DECODE_SHAPES["llama4"], DECODE_SHAPES["qwen3"]
+    ok = kernel.seed_params(qwen3, H100)
+    assert kernel.check_params(qwen3, ok) is None
+    cases = [
+        (qwen3, {"g1_BLOCK_N": 64, "g1_BLOCK_K": 512, "g1_num_warps": 4}, "accumulators"),
+        (qwen3, {"g2_BLOCK_N": 8, "g2_BLOCK_K": 256, "SPLIT_K": 4}, "empty"),  # 768: 3 blocks
+        (llama4, {"SPLIT_K": 1, "REDUCE": "ordered"}, "directly"),  # top-1: nothing to reduce
+        (dataclasses.replace(qwen3, dtype="float32"), {"REDUCE": "atomic_out"}, "float32"),
+        (MoEProblem(1, 64, 32, 8, 2), {"g1_BLOCK_N": 64}, "exceeds"),
+    ]
+    for problem, change, word in cases:
+        params = {**kernel.seed_params(problem, H100), **change}
+        why = kernel.check_params(problem, params)
+        assert why and word in why, (change, why)
+    assert kernel.check_params(llama4, {**kernel.seed_params(llama4, H100), "SPLIT_K": 2,
+                                        "REDUCE": "ordered"}) is None

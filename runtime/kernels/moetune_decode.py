@@ -1,0 +1,164 @@
+"""moetune's own small-M (decode) MoE kernel: the whole layer in two Triton launches, no routing
+step. One program per routed (token, slot) pair and tile: GEMM1 with the activation fused, then
+GEMM2 with the weighted top-k reduce fused (``_decode`` holds the kernels and says how).
+
+At 1-16 tokens the layer is a GEMV over the routed experts' weights, so what counts is reading
+those weights at HBM speed with every SM busy: no align/sort, no activation quantization, no
+separate activation or reduce launches. fp8 weights are dequantized in registers and the
+activations stay in the compute dtype (W8A16), which is also more accurate than W8A8.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+import torch
+
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
+from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+
+#: Routed pairs (num_tokens x topk) up to which the kernel is offered: one program per pair
+#: reads its expert's rows on its own, so beyond decode sizes grouped GEMMs win.
+MAX_PAIRS = 256
+#: float32 accumulators per thread a tile may need (the 2-D accumulators of gate and up, or of
+#: W2): more spill to local memory.
+MAX_ACC_PER_THREAD = 64
+#: How GEMM2's partial sums meet when there is something to reduce (top-k > 1 or split-K):
+#: ``atomic`` adds into a float32 buffer then casts it (one torch copy); ``atomic_out`` adds into
+#: the output itself (two launches in all; rounds each add to the output dtype); ``ordered``
+#: stores each partial in its own row and sums the rows in a fixed order (deterministic).
+REDUCES = ("atomic", "atomic_out", "ordered")
+_ROCM_ARCHS = ("gfx942", "gfx950")
+
+
+class MoetuneDecodeKernel(BaseKernel):
+    """GEMV-like fused MoE for decode: ``g1_*`` tiles GEMM1 (+activation), ``g2_*`` GEMM2
+    (+weighted reduce, optionally split over I)."""
+
+    name = "moetune_decode"
+    params = (
+        Param("g1_BLOCK_N", (4, 8, 16, 32, 64)),
+        Param("g1_BLOCK_K", (64, 128, 256, 512)),
+        Param("g1_num_warps", (2, 4, 8)),
+        Param("g1_num_stages", (1, 2, 3)),
+        Param("g2_BLOCK_N", (8, 16, 32, 64, 128)),
+        Param("g2_BLOCK_K", (32, 64, 128, 256)),
+        Param("g2_num_warps", (2, 4, 8)),
+        Param("g2_num_stages", (1, 2, 3)),
+        Param("SPLIT_K", (1, 2, 4)),
+        Param("REDUCE", REDUCES),
+    )
+    graph_safe = True  # expert ids are read on the device; launches are sized by shapes only
+    compiles = True
+
+    # --- eligibility -------------------------------------------------------------------------
+    @classmethod
+    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if importlib.util.find_spec("triton") is None:
+            return "triton is not installed"
+        from moetune.runtime.kernels._decode import INTERPRET
+
+        if sku.vendor is Vendor.CPU:
+            if not INTERPRET:
+                return "Triton kernels need a GPU (TRITON_INTERPRET=1 runs them slowly on CPU)"
+            if problem.dtype is DType.BFLOAT16:
+                return "Triton's CPU interpreter computes bfloat16 wrong (numpy has no bfloat16)"
+            return None
+        if INTERPRET:
+            return "TRITON_INTERPRET=1 was set when the kernels were defined: they would run interpreted"
+        if sku.vendor is Vendor.NVIDIA and _sm(sku) < 80:
+            return f"needs sm_80 or newer, device is {sku.arch}"
+        if sku.vendor is Vendor.AMD and sku.arch not in _ROCM_ARCHS:
+            return f"runs on ROCm {'/'.join(_ROCM_ARCHS)} only, device is {sku.arch}"
+        return None
+
+    @classmethod
+    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if not problem.quant.is_fp8:
+            return None
+        if sku.vendor is Vendor.CPU:
+            return "fp8 weights do not run in Triton's CPU interpreter (numpy has no fp8)"
+        if sku.vendor is Vendor.NVIDIA and _sm(sku) < 89:
+            return f"fp8 e4m3 weights need sm_89 or newer, device is {sku.arch}"
+        if sku.vendor is Vendor.AMD and sku.arch != "gfx950":
+            return (f"moetune's fp8 weights are e4m3fn (OCP); {sku.arch} computes e4m3fnuz "
+                    "(gfx950 has e4m3fn)")
+        return None
+
+    @classmethod
+    def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        pairs = problem.num_tokens * problem.topk
+        if pairs > MAX_PAIRS:
+            return (f"num_tokens x topk = {pairs} > {MAX_PAIRS}: a decode kernel (one program "
+                    "per routed pair, no expert grouping)")
+        return None
+
+    # --- parameters --------------------------------------------------------------------------
+    @classmethod
+    def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
+        h, i = problem.hidden_size, problem.intermediate_size
+        halves = 2 if problem.gated else 1
+        for gemm, n, k, tiles in (("g1", i, h, halves), ("g2", h, i, 1)):
+            block_n, block_k = params[f"{gemm}_BLOCK_N"], params[f"{gemm}_BLOCK_K"]
+            per_thread = tiles * block_n * block_k // (32 * params[f"{gemm}_num_warps"])
+            if per_thread > MAX_ACC_PER_THREAD:
+                return (f"{gemm}: {per_thread} float32 accumulators per thread "
+                        f"(at most {MAX_ACC_PER_THREAD}: more spill)")
+            for what, block, size in (("BLOCK_N", block_n, n), ("BLOCK_K", block_k, k)):
+                if block > max(_pow2(size), _choices(f"{gemm}_{what}")[0]):
+                    return f"{gemm}_{what}={block} exceeds {size} (a smaller tile computes the same)"
+            if problem.quant is QuantScheme.FP8_BLOCK_128X128 and 128 % block_n:
+                return f"{gemm}_BLOCK_N={block_n} spans two 128-row scale blocks"
+        split, reduce = params["SPLIT_K"], params["REDUCE"]
+        if split > -(-i // params["g2_BLOCK_K"]):
+            return f"SPLIT_K={split} leaves splits of I={i} empty at g2_BLOCK_K={params['g2_BLOCK_K']}"
+        if problem.topk == 1 and split == 1 and reduce != "atomic":
+            return f"top-1 without split-K stores its output directly: REDUCE={reduce} changes nothing"
+        if problem.dtype is DType.FLOAT32 and reduce == "atomic_out":
+            return "float32 output: REDUCE=atomic already adds into the output"
+        return None
+
+    @classmethod
+    def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
+        """Tiles that give every SM a couple of programs, with K as long as registers allow."""
+        pairs = problem.num_tokens * problem.topk
+        h, i = problem.hidden_size, problem.intermediate_size
+        halves = 2 if problem.gated else 1
+        longest = 512 if problem.quant.is_fp8 else 256 if problem.dtype is not DType.FLOAT32 else 128
+        limit = MAX_ACC_PER_THREAD * 32 * 4  # 4 warps
+
+        def tile(n: int, k: int, ns: tuple[int, ...], ks: tuple[int, ...], parts: int) -> tuple[int, int]:
+            fits = [b for b in ns if b <= max(_pow2(n), ns[0])]
+            block_n = next((b for b in reversed(fits) if pairs * -(-n // b) >= 256), fits[0])
+            ks = [b for b in ks if b <= max(min(longest, _pow2(k)), ks[0])]
+            block_k = next(b for b in reversed(ks) if parts * block_n * b <= limit or b == ks[0])
+            return block_n, block_k
+
+        n1, k1 = tile(i, h, _choices("g1_BLOCK_N"), _choices("g1_BLOCK_K"), halves)
+        n2, k2 = tile(h, i, _choices("g2_BLOCK_N"), _choices("g2_BLOCK_K"), 1)
+        seed = {"g1_BLOCK_N": n1, "g1_BLOCK_K": k1, "g1_num_warps": 4, "g1_num_stages": 2,
+                "g2_BLOCK_N": n2, "g2_BLOCK_K": k2, "g2_num_warps": 4, "g2_num_stages": 2,
+                "SPLIT_K": 1, "REDUCE": "atomic"}
+        return seed if cls.check_params(problem, seed) is None else None
+
+    # --- execution ---------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+        from moetune.runtime.kernels._decode import launcher
+
+        return launcher(problem, params, weights)
+
+
+def _choices(name: str) -> tuple[int, ...]:
+    return next(p.choices for p in MoetuneDecodeKernel.params if p.name == name)
+
+
+def _sm(sku: SKU) -> int:
+    return int(sku.arch.removeprefix("sm_")) if sku.arch.startswith("sm_") else 0
+
+
+def _pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
