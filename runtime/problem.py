@@ -43,6 +43,8 @@ class DType(str, enum.Enum):
 
 def parse_enum(kind: type[enum.Enum], value: str) -> Any:
     """Normalise a user string (``"FP8-Block-128x128"``) to an enum member, once, at the boundary."""
+    if isinstance(value, kind):
+        return value
     key = str(value).strip().lower().replace("-", "_")
     for member in kind:
         if member.value == key:

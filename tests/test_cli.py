@@ -83,8 +83,6 @@ def test_export_import_and_merge(tiny_table, tmp_path):
     (["tune", "--hidden", "0", "--intermediate", "8", "--experts", "4", "--topk", "2",
       "--output", "{tmp}/x.db"], "hidden_size must be a positive integer"),
     (["tune", "--preset", "tiny", "--topk", "9", "--output", "{tmp}/x.db"], "topk (9) cannot"),
-    (["tune", "--preset", "tiny", "--quant", "int3", "--output", "{tmp}/x.db"],
-     "unknown QuantScheme"),
     (["tune", "--preset", "tiny", "--device", "cpu", "--buckets", "1", "--output",
       "/proc/nope/x.db"], "/proc/nope"),
     (["show", "{tmp}/garbage.db"], "not a moetune table"),

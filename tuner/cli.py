@@ -20,6 +20,7 @@ from moetune import db
 from moetune.errors import MoetuneError
 from moetune.runtime.dispatcher import Dispatcher, shipped_table
 from moetune.runtime.platform import SKU, detect_sku
+from moetune.runtime.problem import Activation, DType, QuantScheme
 from moetune.runtime.registry import default_registry
 from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
@@ -74,10 +75,12 @@ Hidden = Annotated[Optional[int], typer.Option(help="Hidden size")]
 Inter = Annotated[Optional[int], typer.Option(help="Intermediate size per partition")]
 Experts = Annotated[Optional[int], typer.Option(help="Local experts")]
 TopK = Annotated[Optional[int], typer.Option(help="Experts per token")]
-DTypeOpt = Annotated[Optional[str], typer.Option("--dtype", help="float32|float16|bfloat16")]
-Quant = Annotated[Optional[str], typer.Option(
-    help="none|fp8_per_tensor|fp8_per_channel|fp8_block_128x128")]
-Act = Annotated[Optional[str], typer.Option(help="silu|gelu")]
+DTypeOpt = Annotated[Optional[DType], typer.Option(
+    "--dtype", case_sensitive=False, help="Activation dtype (default: the preset's or bfloat16)")]
+Quant = Annotated[Optional[QuantScheme], typer.Option(
+    case_sensitive=False, help="Weight quantization (default: the preset's or none)")]
+Act = Annotated[Optional[Activation], typer.Option(
+    case_sensitive=False, help="Activation function (default: the preset's or silu)")]
 OnInput = Annotated[Optional[bool], typer.Option(
     "--router-weight-on-input/--router-weight-on-output", help="Where the router weight applies")]
 DeviceOpt = Annotated[Device, typer.Option(help="Where to measure")]

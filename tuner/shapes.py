@@ -24,9 +24,9 @@ class ShapeOptions:
     intermediate: int | None = None
     experts: int | None = None
     topk: int | None = None
-    dtype: str | None = None
-    quant: str | None = None
-    activation: str | None = None
+    dtype: DType | str | None = None
+    quant: QuantScheme | str | None = None
+    activation: Activation | str | None = None
     router_weight_on_input: bool | None = None
 
 
