@@ -6,11 +6,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-import json
 from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
+from moetune.db import dump_json
 from moetune.errors import InvalidParamsError
 from moetune.runtime.platform import SKU
 from moetune.runtime.problem import MoEProblem, QuantScheme
@@ -172,6 +172,7 @@ def invalid_params(declared: tuple[Param, ...], params: dict[str, Any]) -> str |
 
 
 def params_key(params: dict[str, Any]) -> str:
-    """Canonical JSON of a parameter set: the identity used for de-duplication and storage."""
-    return json.dumps(params, sort_keys=True, separators=(",", ":"))
+    """Canonical JSON of a parameter set, as tables store it (``db.dump_json``): the identity
+    used for de-duplication and storage."""
+    return dump_json(params)
 
