@@ -24,7 +24,7 @@ from moetune.runtime.platform import SKU, Vendor, detect_sku
 from moetune.runtime.problem import DEFAULT_BUCKETS, MoEProblem, QuantScheme
 from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
-from moetune.tuner.gate import relative_error
+from moetune.tuner.gate import relative_error, tolerance
 from moetune.tuner.inputs import Routing, make_batch, make_weights
 
 HAS_GPU = torch.cuda.is_available() and not getattr(torch.version, "hip", None)
@@ -72,6 +72,8 @@ def _params(name: str, problem: MoEProblem) -> dict:
         return E2E
     if name == "torch_scaled_grouped":
         return {}
+    if name == "moetune_decode":
+        return default_registry.get(name).seed_params(problem, H200)
     return {**with_prefix(default, "g1_"), **with_prefix(OTHER, "g2_")}
 
 
@@ -233,3 +235,82 @@ def test_graph_safe_kernels_replay_a_captured_graph_on_new_inputs(name, problem,
     eager = fn(*fresh)
     torch.cuda.synchronize()
     assert relative_error(captured, eager) <= 1e-6, name
+
+
+# --- moetune_decode at the decode sizes and model shapes it is for ------------------------------
+# TP8 shards where the model is sharded; bf16 activations. Each shape runs every quant scheme.
+DECODE_SHAPES = {
+    "llama4-maverick-tp8": MoEProblem(1, 5120, 1024, 128, 1, router_weight_on_input=True),
+    "deepseek-v3-tp8": MoEProblem(1, 7168, 256, 256, 8),
+    "qwen3-30b-a3b": MoEProblem(1, 2048, 768, 128, 8),
+}
+DECODE_TOKENS = (1, 4, 16)
+
+
+def _decode_variants(problem: MoEProblem) -> list[dict]:
+    """The seed config and its reduce and split-K variants that the constraints keep."""
+    kernel = default_registry.get("moetune_decode")
+    seed = kernel.seed_params(problem, H200)
+    variants = [seed] + [dict(seed, SPLIT_K=s, REDUCE=r) for s in (1, 2, 4)
+                         for r in ("atomic", "atomic_out", "ordered")]
+    unique = []
+    for params in variants:
+        if kernel.check_params(problem, params) is None and params not in unique:
+            unique.append(params)
+    return unique
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("quant", list(QuantScheme), ids=lambda q: q.value)
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_decode_kernel_passes_the_tuners_gate_at_model_shapes(shape, quant, gpu_sku):
+    """Every scheme at M = 1, 4, 16 (skewed routing: several pairs share an expert), with each
+    reduce and split-K, against the float32 reference with the tuner's own tolerance."""
+    kernel = default_registry.get("moetune_decode")
+    base = dataclasses.replace(DECODE_SHAPES[shape], quant=quant)
+    weights = make_weights(base, "cuda", seed=1)
+    reference = default_registry.get("reference").prepare(base, {}, weights)
+    failures = []
+    for m in DECODE_TOKENS:
+        problem = base.with_tokens(m)
+        ok, why = kernel.supports(problem, gpu_sku)
+        assert ok, why
+        batch = make_batch(problem, "cuda", seed=2 + m, routing=Routing.ZIPF)
+        ref = reference(*batch.args())
+        for params in _decode_variants(problem):
+            out = kernel.prepare(problem, kernel.validate(params), weights)(*batch.args())
+            torch.cuda.synchronize()
+            err = relative_error(out, ref)
+            if out.dtype != batch.x.dtype or not err <= tolerance(problem):
+                failures.append(f"M={m} {params}: error {err:.3g} > {tolerance(problem)}")
+    assert not failures, "\n".join(failures)
+
+
+@cuda
+@needs_gpu
+def test_decode_kernel_replays_in_a_graph_with_each_reduce(gpu_sku):
+    """The accumulator is zeroed inside GEMM1 and the expert ids read on the device: a captured
+    call replayed on new routing computes what an eager call does, for every reduce (bit for
+    bit where the reduce is ordered; atomics add in any order, so there within the gate)."""
+    problem = MoEProblem(4, 2048, 768, 128, 8, quant="fp8_block_128x128")
+    kernel = default_registry.get("moetune_decode")
+    weights = make_weights(problem, "cuda", seed=1)
+    reference = default_registry.get("reference").prepare(problem, {}, weights)
+    for params in _decode_variants(problem):
+        fn = kernel.prepare(problem, params, weights)
+        static = make_batch(problem, "cuda", seed=2).args()
+        fn(*static)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = fn(*static)
+        for buffer, value in zip(static, make_batch(problem, "cuda", seed=3).args()):
+            buffer.copy_(value)
+        graph.replay()
+        graph.replay()  # twice: the atomics must start from zero each time
+        eager = fn(*static)
+        torch.cuda.synchronize()
+        assert relative_error(captured, reference(*static)) <= tolerance(problem), params
+        same = 0.0 if params["REDUCE"] == "ordered" else tolerance(problem)
+        assert relative_error(captured, eager) <= max(same, 1e-6), params

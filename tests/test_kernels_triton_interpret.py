@@ -272,7 +272,8 @@ DECODE_SKUS = {"sm_90": H100, "sm_80": SKU(Vendor.NVIDIA, "A100", "sm_80", 108, 
                "gfx90a": SKU(Vendor.AMD, "MI250X", "gfx90a", 110, 64 << 30)}
 # The shapes the kernel is for (TP8 where sharded): Llama-4-Maverick, DeepSeek-V3, Qwen3-30B-A3B.
 DECODE_SHAPES = {
-    "llama4": MoEProblem(1, 5120, 1024, 128, 1, quant="fp8_per_channel", router_weight_on_input=True),
+    "llama4": MoEProblem(1, 5120, 1024, 128, 1, quant="fp8_per_channel",
+                         router_weight_on_input=True),
     "deepseek": MoEProblem(1, 7168, 256, 256, 8, quant="fp8_block_128x128"),
     "qwen3": MoEProblem(1, 2048, 768, 128, 8),
 }

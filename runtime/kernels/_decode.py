@@ -81,13 +81,15 @@ def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
         x_gate = x
         if QUANT == 3:
             col_blocks = ((k + offs_k) // 128) * stride_sk
-            x_gate = x * tl.load(s_base + gate_block * stride_sn + col_blocks, mask=mask_k, other=0.0)
+            x_gate = x * tl.load(s_base + gate_block * stride_sn + col_blocks, mask=mask_k,
+                                 other=0.0)
         w = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
         acc_gate += w * x_gate[None, :]
         if GATED:
             x_up = x
             if QUANT == 3:
-                x_up = x * tl.load(s_base + up_block * stride_sn + col_blocks, mask=mask_k, other=0.0)
+                x_up = x * tl.load(s_base + up_block * stride_sn + col_blocks, mask=mask_k,
+                                   other=0.0)
             w = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
             acc_up += w * x_up[None, :]
         gate_ptrs += BLOCK_K * stride_wk
@@ -193,7 +195,8 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     w13, w2 = weights.w13, weights.w2
     s13, s13_strides = _scale(weights.w13_scale, w13, quant)
     s2, s2_strides = _scale(weights.w2_scale, w2, quant)
-    bn1, bk1, bn2, bk2 = (params[k] for k in ("g1_BLOCK_N", "g1_BLOCK_K", "g2_BLOCK_N", "g2_BLOCK_K"))
+    bn1, bk1 = params["g1_BLOCK_N"], params["g1_BLOCK_K"]
+    bn2, bk2 = params["g2_BLOCK_N"], params["g2_BLOCK_K"]
     split, reduce = params["SPLIT_K"], params["REDUCE"]
     tiles1, tiles2 = triton.cdiv(inter, bn1), triton.cdiv(hidden, bn2)
     k_per_split = triton.cdiv(triton.cdiv(inter, bk2), split) * bk2

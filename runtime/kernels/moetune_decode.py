@@ -13,8 +13,6 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
-import torch
-
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
@@ -67,7 +65,8 @@ class MoetuneDecodeKernel(BaseKernel):
                 return "Triton's CPU interpreter computes bfloat16 wrong (numpy has no bfloat16)"
             return None
         if INTERPRET:
-            return "TRITON_INTERPRET=1 was set when the kernels were defined: they would run interpreted"
+            return ("TRITON_INTERPRET=1 was set when the kernels were defined: they would run "
+                    "interpreted")
         if sku.vendor is Vendor.NVIDIA and _sm(sku) < 80:
             return f"needs sm_80 or newer, device is {sku.arch}"
         if sku.vendor is Vendor.AMD and sku.arch not in _ROCM_ARCHS:
@@ -108,36 +107,41 @@ class MoetuneDecodeKernel(BaseKernel):
                         f"(at most {MAX_ACC_PER_THREAD}: more spill)")
             for what, block, size in (("BLOCK_N", block_n, n), ("BLOCK_K", block_k, k)):
                 if block > max(_pow2(size), _choices(f"{gemm}_{what}")[0]):
-                    return f"{gemm}_{what}={block} exceeds {size} (a smaller tile computes the same)"
+                    return (f"{gemm}_{what}={block} exceeds {size} (a smaller tile computes "
+                            "the same)")
             if problem.quant is QuantScheme.FP8_BLOCK_128X128 and 128 % block_n:
                 return f"{gemm}_BLOCK_N={block_n} spans two 128-row scale blocks"
         split, reduce = params["SPLIT_K"], params["REDUCE"]
         if split > -(-i // params["g2_BLOCK_K"]):
-            return f"SPLIT_K={split} leaves splits of I={i} empty at g2_BLOCK_K={params['g2_BLOCK_K']}"
+            return (f"SPLIT_K={split} leaves splits of I={i} empty at "
+                    f"g2_BLOCK_K={params['g2_BLOCK_K']}")
         if problem.topk == 1 and split == 1 and reduce != "atomic":
-            return f"top-1 without split-K stores its output directly: REDUCE={reduce} changes nothing"
+            return (f"top-1 without split-K stores its output directly: REDUCE={reduce} "
+                    "changes nothing")
         if problem.dtype is DType.FLOAT32 and reduce == "atomic_out":
             return "float32 output: REDUCE=atomic already adds into the output"
         return None
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
-        """Tiles that give every SM a couple of programs, with K as long as registers allow."""
+        """Tiles that give every SM a couple of programs (rows no wider than 16 in GEMM1 and 64
+        in GEMM2), with K as long as the accumulators allow at 4 warps."""
         pairs = problem.num_tokens * problem.topk
         h, i = problem.hidden_size, problem.intermediate_size
         halves = 2 if problem.gated else 1
-        longest = 512 if problem.quant.is_fp8 else 256 if problem.dtype is not DType.FLOAT32 else 128
+        longest = 512 if problem.quant.is_fp8 else 128 if problem.dtype is DType.FLOAT32 else 256
         limit = MAX_ACC_PER_THREAD * 32 * 4  # 4 warps
 
-        def tile(n: int, k: int, ns: tuple[int, ...], ks: tuple[int, ...], parts: int) -> tuple[int, int]:
-            fits = [b for b in ns if b <= max(_pow2(n), ns[0])]
+        def tile(n: int, k: int, ns: tuple[int, ...], ks: tuple[int, ...], parts: int,
+                 widest: int) -> tuple[int, int]:
+            fits = [b for b in ns if b <= max(min(widest, _pow2(n)), ns[0])]
             block_n = next((b for b in reversed(fits) if pairs * -(-n // b) >= 256), fits[0])
             ks = [b for b in ks if b <= max(min(longest, _pow2(k)), ks[0])]
             block_k = next(b for b in reversed(ks) if parts * block_n * b <= limit or b == ks[0])
             return block_n, block_k
 
-        n1, k1 = tile(i, h, _choices("g1_BLOCK_N"), _choices("g1_BLOCK_K"), halves)
-        n2, k2 = tile(h, i, _choices("g2_BLOCK_N"), _choices("g2_BLOCK_K"), 1)
+        n1, k1 = tile(i, h, _choices("g1_BLOCK_N"), _choices("g1_BLOCK_K"), halves, 16)
+        n2, k2 = tile(h, i, _choices("g2_BLOCK_N"), _choices("g2_BLOCK_K"), 1, 64)
         seed = {"g1_BLOCK_N": n1, "g1_BLOCK_K": k1, "g1_num_warps": 4, "g1_num_stages": 2,
                 "g2_BLOCK_N": n2, "g2_BLOCK_K": k2, "g2_num_warps": 4, "g2_num_stages": 2,
                 "SPLIT_K": 1, "REDUCE": "atomic"}
