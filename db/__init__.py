@@ -19,7 +19,14 @@ from moetune.db._models import (
     TuningRun,
     WinnerRow,
 )
-from moetune.db._read import TableSnapshot, WinnerRecord, read_measurements, read_winners
+from moetune.db._read import (
+    RunRecord,
+    TableSnapshot,
+    WinnerRecord,
+    read_measurements,
+    read_runs,
+    read_winners,
+)
 from moetune.db._schema import HEAD_REVISION, alembic_config, is_url, schema_revision
 from moetune.db._server import display_url
 from moetune.db._tuning import (
@@ -43,6 +50,7 @@ __all__ = [
     "MeasurementStatus",
     "MergeConflict",
     "MergeReport",
+    "RunRecord",
     "RunStatus",
     "SkuRow",
     "TableFile",
@@ -68,6 +76,7 @@ __all__ = [
     "merge_tables",
     "open_table",
     "read_measurements",
+    "read_runs",
     "read_winners",
     "schema_revision",
     "set_winner",

@@ -114,6 +114,11 @@ class TuningRun(Base):
     #: process gone marks a run still ``running`` as ``interrupted``.
     pid: Mapped[int | None]
     command: Mapped[str] = mapped_column(Text)
+    #: What the device sustains, measured when the run started on a GPU (JSON object:
+    #: ``hbm_bytes_per_s``, ``bf16_flops``, ``fp8_flops``, ...; ``tuner.roofline.Ceilings``):
+    #: reports draw each bucket's HBM and compute floors from it. None on the CPU and before
+    #: schema 0005.
+    ceilings: Mapped[str | None] = mapped_column(Text)
     started_at: Mapped[utc_time]
     finished_at: Mapped[datetime.datetime | None] = mapped_column(DateTime())
     status: Mapped[RunStatus]

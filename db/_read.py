@@ -6,6 +6,7 @@ serving falls back for that bucket instead of crashing.
 """
 
 import dataclasses
+import datetime
 from pathlib import Path
 from typing import Any
 
@@ -201,6 +202,52 @@ def read_measurements(
             _measurement_dict(m, bucket, sku)
             for m, bucket, sku in session.execute(query)
         ]
+
+
+@dataclasses.dataclass(frozen=True)
+class RunRecord:
+    """One tuning run's provenance as plain values (``read_runs``).
+
+    ``environment`` and ``ceilings`` are ``None`` when their stored JSON cannot be parsed;
+    ``ceilings`` also on the CPU and for runs from before schema 0005. Times are naive UTC.
+    """
+
+    id: int
+    sku: dict[str, Any]
+    moetune_version: str
+    commit: str | None
+    environment: dict[str, Any] | None
+    driver: str | None
+    host: str
+    command: str
+    started_at: datetime.datetime
+    finished_at: datetime.datetime | None
+    status: str
+    ceilings: dict[str, Any] | None
+
+
+def read_runs(path: str | Path) -> list[RunRecord]:
+    """Every tuning run of a table, oldest first.
+
+    Raises:
+        TableError: If the file cannot be read as a moetune table.
+    """
+    query = select(TuningRun, SkuRow).join(SkuRow, TuningRun.sku_id == SkuRow.id).order_by(
+        TuningRun.id)
+    with open_table(path) as table, table.session() as session:
+        return [RunRecord(
+            id=run.id, sku=sku.key(), moetune_version=run.moetune_version, commit=run.commit,
+            environment=_json_or_none(run.environment), driver=run.driver, host=run.host,
+            command=run.command, started_at=run.started_at, finished_at=run.finished_at,
+            status=run.status.value, ceilings=_json_or_none(run.ceilings),
+        ) for run, sku in session.execute(query)]
+
+
+def _json_or_none(text: str | None) -> dict[str, Any] | None:
+    try:
+        return None if text is None else load_json(text)
+    except ValueError:
+        return None
 
 
 def _measurement_dict(m: Measurement, bucket: BucketRow, sku: SkuRow) -> dict[str, Any]:

@@ -129,9 +129,11 @@ def start_run(
     command: str,
     commit: str | None,
     driver: str | None,
+    ceilings: dict[str, float] | None = None,
 ) -> TuningRun:
     """Record that a tuning run began in this process on this host, with the versions it runs
-    under (the host and pid tell a later writer whether the run's process is still alive)."""
+    under (the host and pid tell a later writer whether the run's process is still alive) and,
+    on a GPU, the ceilings measured there (``tuner.roofline.Ceilings.to_dict()``)."""
     run = TuningRun(
         sku_id=sku.id,
         moetune_version=__version__,
@@ -141,6 +143,7 @@ def start_run(
         host=socket.gethostname(),
         pid=os.getpid(),
         command=command,
+        ceilings=None if ceilings is None else dump_json(ceilings),
         started_at=utcnow(),
         status=RunStatus.RUNNING,
     )

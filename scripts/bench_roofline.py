@@ -33,7 +33,9 @@ from moetune.runtime.platform import SKU, detect_sku, environment
 from moetune.runtime.problem import DEFAULT_BUCKETS, MoEProblem
 from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
+from moetune.tuner import roofline
 from moetune.tuner.gate import relative_error, tolerance
+from moetune.tuner.roofline import Ceilings, Floors
 from moetune.tuner.timing import time_op
 
 SHAPES = {
@@ -87,52 +89,12 @@ def make_inputs(problem: MoEProblem, count: int, seed: int) -> list[tuple[torch.
     return out
 
 
-# --- ceilings and floors -----------------------------------------------------------------------
-def _event_median_ms(fn: Any, *args: Any, **kwargs: Any) -> float:
-    for _ in range(3):
-        fn(*args, **kwargs)
-    times = []
-    for _ in range(10):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn(*args, **kwargs)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def measure_ceilings() -> dict[str, float]:
-    """HBM bandwidth: the better of a 1 GiB copy (bytes read + written) and a 2 GiB read-only
-    sum (expert weights are only read, and reads stream faster than copies); bf16 and fp8
-    matmul rates on 8192^3."""
-    src = torch.ones(1 << 30, dtype=torch.uint8, device="cuda")
-    copy = 2 * src.numel() / (_event_median_ms(torch.empty_like(src).copy_, src) * 1e-3)
-    src = torch.ones(1 << 29, dtype=torch.float32, device="cuda")
-    read = 4 * src.numel() / (_event_median_ms(src.sum) * 1e-3)
-    del src
-    n = 8192
-    x = torch.randn(n, n, device="cuda").bfloat16()
-    y = torch.randn(n, n, device="cuda").bfloat16()
-    bf16 = 2 * n ** 3 / (_event_median_ms(torch.matmul, x, y) * 1e-3)
-    x8, y8 = x.to(torch.float8_e4m3fn), y.to(torch.float8_e4m3fn).t()
-    one = torch.ones((), device="cuda")
-    fp8 = 2 * n ** 3 / (_event_median_ms(
-        torch._scaled_mm, x8, y8, one, one, out_dtype=torch.bfloat16) * 1e-3)
-    return {"copy_bytes_per_s": copy, "read_bytes_per_s": read,
-            "hbm_bytes_per_s": max(copy, read), "bf16_flops": bf16, "fp8_flops": fp8}
-
-
-def floors_us(problem: MoEProblem, inputs: list[tuple[torch.Tensor, ...]], weights: MoEWeights,
-              ceilings: dict[str, float]) -> tuple[float, float]:
-    h, i, m = problem.hidden_size, problem.intermediate_size, problem.num_tokens
+# --- floors (the arithmetic and the ceilings live in moetune.tuner.roofline) -----------------
+def floors_us(problem: MoEProblem, inputs: list[tuple[torch.Tensor, ...]],
+              ceilings: Ceilings) -> Floors:
+    """The bucket's floors with the experts its timed batches really route to."""
     hit = statistics.mean(len(torch.unique(ids)) for _, _, ids in inputs)
-    per_expert = sum(t[0].numel() * t.element_size() for t in
-                     (weights.w13, weights.w2, weights.w13_scale, weights.w2_scale) if t is not None)
-    hbm = (hit * per_expert + 2 * m * h * 2) / ceilings["hbm_bytes_per_s"]
-    rate = ceilings["fp8_flops" if problem.quant.is_fp8 else "bf16_flops"]
-    compute = 2 * m * problem.topk * 3 * h * i / rate
-    return hbm * 1e6, compute * 1e6
+    return roofline.floors_us(problem, ceilings, experts_hit=hit)
 
 
 # --- candidates --------------------------------------------------------------------------------
@@ -224,7 +186,7 @@ def main() -> None:
     buckets = [int(b) for b in args.buckets.split(",")]
     skip = set(filter(None, args.skip.split(",")))
     base, sku = SHAPES[args.shape], detect_sku("cuda")
-    ceilings = measure_ceilings()
+    ceilings = roofline.measure_ceilings()
 
     if args.workers:
         precompile(args.shape, precompile_work(base, buckets, skip), buckets, args.workers)
@@ -235,10 +197,10 @@ def main() -> None:
     print(f"# Roofline: {args.shape} ({base.describe().split(' ', 1)[1]})\n")
     print(f"GPU: {sku.label()}; date: {datetime.date.today()}; commit: {args.commit}; "
           f"env: {json.dumps(environment())}\ncommand: python {' '.join(sys.argv)}\n")
-    print(f"Measured ceilings: copy {ceilings['copy_bytes_per_s'] / 1e12:.2f} TB/s, read "
-          f"{ceilings['read_bytes_per_s'] / 1e12:.2f} TB/s (the floor uses the larger), bf16 matmul "
-          f"{ceilings['bf16_flops'] / 1e12:.0f} TFLOP/s, fp8 matmul "
-          f"{ceilings['fp8_flops'] / 1e12:.0f} TFLOP/s (8192^3).\n")
+    print(f"Measured ceilings: copy {ceilings.copy_bytes_per_s / 1e12:.2f} TB/s, read "
+          f"{ceilings.read_bytes_per_s / 1e12:.2f} TB/s (the floor uses the larger), bf16 matmul "
+          f"{ceilings.bf16_flops / 1e12:.0f} TFLOP/s, fp8 matmul "
+          f"{(ceilings.fp8_flops or float('nan')) / 1e12:.0f} TFLOP/s (8192^3).\n")
     families = ["rule", "aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused",
                 "aiter_triton_persistent", "aiter_triton_silu_fused_persistent",
                 "aiter_triton_e2e", "torch_grouped", "torch_scaled_grouped"]
@@ -251,7 +213,8 @@ def main() -> None:
         inputs = make_inputs(problem, GRAPH_CALLS, seed=m)
         check = inputs[0]
         ref = reference(*check)
-        hbm, compute = floors_us(problem, inputs, weights, ceilings)
+        floors = floors_us(problem, inputs, ceilings)
+        hbm, compute = floors.hbm_us, floors.compute_us or float("nan")
         best: dict[str, list[tuple[float, dict]]] = {}
         for family, name, params in candidates(problem, sku, best):
             if family in skip:
@@ -278,7 +241,7 @@ def main() -> None:
             if log:
                 log.write(json.dumps(record) + "\n")
                 log.flush()
-        roof = max(hbm, compute)
+        roof = floors.roofline_us or float("nan")
         times = {f: min(t for t, _ in best[f]) for f in families if best.get(f)}
         top = min(times.values(), default=float("nan"))
         cells = [f"{times[f]:.1f}" if f in times else "-" for f in families]

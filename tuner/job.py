@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import os
 import queue
 import subprocess
@@ -31,9 +32,12 @@ from moetune.runtime.dispatcher import row_verdict
 from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Measurer, Result, Status
 from moetune.tuner.precompile import CompilePool
+from moetune.tuner.roofline import Ceilings, measure_if_cuda
 from moetune.tuner.study import Decision, Key, confirm, search
 from moetune.tuner.timing import Timing
 from moetune.tuner.worker import IsolatedMeasurer
+
+logger = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,17 +123,22 @@ def _sku_row(session: object, sku: SKU) -> db.SkuRow:
 def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: JobOptions, *,
             registry: Registry = default_registry,
             on_bucket: Callable[[BucketOutcome], None] | None = None,
-            on_trial: Callable[[], None] | None = None) -> list[BucketOutcome]:
+            on_trial: Callable[[], None] | None = None,
+            measure_ceilings: Callable[[str], Ceilings | None] = measure_if_cuda,
+            ) -> list[BucketOutcome]:
     """Tune every problem (already bucketed) and write winners to ``output``.
 
     With several ``opts.devices`` each takes the next bucket when it is done with one; writes
     to ``output`` are serialized. A bucket whose baseline fails is reported in its outcome and
-    the job goes on; the run is marked failed if any bucket failed.
+    the job goes on; the run is marked failed if any bucket failed. The run records the
+    device's ceilings, ``measure_ceilings(first device)`` (measured on CUDA, none on the CPU).
     """
+    ceilings = _ceilings(measure_ceilings, opts.lanes[0])
     with db.write_table(output) as table, table.session() as s:
         run_id = db.start_run(s, _sku_row(s, sku), environment=environment(),
                               command=_command_line(), commit=source_commit(),
-                              driver=environment().get("cuda") or environment().get("hip")).id
+                              driver=environment().get("cuda") or environment().get("hip"),
+                              ceilings=ceilings).id
     problems = list(problems)
     outcomes: list[BucketOutcome | None] = [None] * len(problems)
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -167,6 +176,17 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
     with db.write_table(output) as table, table.session() as s:
         db.finish_run(s, db.get_run(s, run_id), status)
     return finished
+
+
+def _ceilings(measure: Callable[[str], Ceilings | None], device: str) -> dict[str, float] | None:
+    """The run's ceilings as stored; a failed measurement records none and the job goes on."""
+    try:
+        found = measure(device)
+    except RuntimeError as e:
+        logger.warning("moetune: the ceilings of %s were not measured (%s); reports of this "
+                       "run draw no floors", device, e)
+        return None
+    return None if found is None else found.to_dict()
 
 
 @dataclasses.dataclass(frozen=True)
