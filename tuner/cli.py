@@ -286,3 +286,25 @@ def merge(a: Annotated[str, typer.Argument(help="Table file or database URL")],
           output: Annotated[Path, typer.Option("--output", "-o")]) -> None:
     """Merge two tables; per bucket the faster (or, within noise, newer) winner stays."""
     out.print(report.merge_text(db.merge_tables(a, b, output)), highlight=False)
+
+
+@app.command("report")
+@_errors_to_exit
+def report_(
+    table: Annotated[str, typer.Argument(help="Table file or database URL")],
+    output: Annotated[Path, typer.Option("--output", "-o", help="Folder for index.html and "
+                                         "its PNG figures (created if missing)")],
+    ceilings: Annotated[Optional[str], typer.Option(
+        help="Ceilings for the runs that recorded none, to draw floors: "
+        "hbm_tbps=4.28,bf16_tflops=774[,fp8_tflops=1410]")] = None,
+    ceilings_from: Annotated[Optional[str], typer.Option(
+        help="Where --ceilings come from (a benchmark, a data sheet), said on the page")] = None,
+) -> None:
+    """Write an HTML page with figures of a table: speedup over the rule per bucket, time
+    against the HBM and compute floors, which kernel family wins where, how the search
+    converged, and where the tuning time went."""
+    from moetune.tuner import report_page, roofline  # matplotlib loads for this command only
+
+    given = roofline.parse_ceilings(ceilings) if ceilings else None
+    page = report_page.write_report(table, output, given, ceilings_from)
+    out.print(f"report of {table} -> {page}", highlight=False)
