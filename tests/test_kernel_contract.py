@@ -1,0 +1,96 @@
+"""The contract every registered kernel keeps, checked by being registered: at tiny shapes an
+eligible kernel matches the float32 reference within the tuner's tolerance, and an ineligible
+one says why, starting with its name.
+
+Run on this machine's device: the CPU here (and again under Triton's interpreter, in a fresh
+process, where the Triton kernels become eligible in float32 and float16), every CUDA kernel on
+a GPU. A new kernel needs no test of its own to be held to this.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import subprocess
+import sys
+from typing import Any
+
+import pytest
+import torch
+
+from moetune.runtime.kernels.base import BaseKernel
+from moetune.runtime.platform import SKU, detect_sku
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.registry import default_registry
+from moetune.tuner.gate import relative_error, tolerance
+from moetune.tuner.inputs import make_batch, make_weights
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+PROBLEMS = [
+    MoEProblem(5, 128, 128, 8, 2, dtype="float32"),
+    MoEProblem(3, 128, 128, 8, 1, dtype="float16", router_weight_on_input=True),
+    MoEProblem(4, 128, 128, 8, 2, dtype="float32", activation="gelu", gated=False),
+    MoEProblem(4, 128, 128, 8, 2, dtype="float16", activation="gelu", gated=False),
+    MoEProblem(6, 256, 128, 8, 2, dtype="bfloat16"),
+    MoEProblem(4, 256, 128, 8, 2, dtype="bfloat16", quant="fp8_per_tensor"),
+    MoEProblem(4, 256, 128, 8, 2, dtype="bfloat16", quant="fp8_per_channel"),
+    MoEProblem(4, 256, 256, 8, 2, dtype="bfloat16", quant="fp8_block_128x128"),
+]
+
+
+@pytest.fixture(scope="module")
+def sku() -> SKU:
+    return detect_sku(DEVICE)
+
+
+def _params(kernel: type[BaseKernel], problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
+    """The kernel's seed, else the first parameter set in its space that fits ``problem``."""
+    seed = kernel.seed_params(problem, sku)
+    if seed is not None:
+        return seed
+    names = [p.name for p in kernel.params]
+    for values in itertools.islice(itertools.product(*(p.choices for p in kernel.params)), 5000):
+        params = dict(zip(names, values))
+        if kernel.check_params(problem, params) is None:
+            return params
+    return None
+
+
+@pytest.mark.parametrize("name", default_registry.names())
+def test_every_registered_kernel_matches_the_reference_or_says_why_not(name, sku):
+    kernel = default_registry.get(name)
+    reference = default_registry.get("reference")
+    for problem in PROBLEMS:
+        ok, why = kernel.supports(problem, sku)
+        if not ok:
+            assert why and why.startswith(f"{name}: "), why
+            continue
+        params = _params(kernel, problem, sku)
+        assert params is not None, f"{name}: nothing in its space fits {problem.describe()}"
+        weights = make_weights(problem, DEVICE, seed=1)
+        batch = make_batch(problem, DEVICE, seed=2)
+        want = reference.prepare(problem, {}, weights)(*batch.args())
+        got = kernel.prepare(problem, kernel.validate(params), weights)(*batch.args())
+        assert got.shape == batch.x.shape and got.dtype == batch.x.dtype, problem.describe()
+        error = relative_error(got, want)
+        assert error <= tolerance(problem), (problem.describe(), params, error)
+
+
+def test_the_reference_and_the_rules_kernels_run_here(sku):
+    """Not every kernel may be eligible here, but these must be, so the test above checks
+    something on every machine."""
+    for problem in PROBLEMS[:2]:
+        assert default_registry.get("reference").supports(problem, sku)[0]
+        assert default_registry.get("torch_loop").supports(problem, sku)[0]
+
+
+@pytest.mark.skipif(INTERPRETED or DEVICE != "cpu" or importlib.util.find_spec("triton") is None,
+                    reason="the interpreted run is the CPU's second pass (needs triton)")
+def test_triton_kernels_keep_the_contract_under_the_interpreter():
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                          "-k", "matches_the_reference"], env=env, capture_output=True, text=True,
+                         timeout=900, check=False)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
