@@ -51,12 +51,14 @@ SHAPES = {
     "qwen3": MoEProblem(1, 2048, 768, 128, 8),  # Qwen3-30B-A3B, bf16
 }
 KERNEL = "moetune_decode"
-# GEMM1 (BLOCK_N, BLOCK_K, num_warps, num_stages): 4-32 rows of gate and up, long K.
-G1_SAMPLE = [(4, 512, 4, 2), (4, 256, 2, 2), (4, 512, 2, 3), (8, 512, 4, 2), (8, 256, 4, 3),
-             (8, 512, 8, 3), (8, 128, 2, 3), (16, 256, 4, 2), (16, 512, 8, 2), (16, 128, 4, 3),
-             (32, 256, 8, 2), (32, 128, 4, 2)]
+# GEMM1 (BLOCK_N, BLOCK_K, num_warps, num_stages): 4-32 rows of gate and up, long K (a GEMV
+# keeps HBM busy by having many bytes in flight per program).
+G1_SAMPLE = [(4, 512, 4, 2), (4, 1024, 4, 2), (4, 256, 2, 2), (4, 512, 2, 3), (8, 512, 4, 2),
+             (8, 1024, 8, 2), (8, 256, 4, 3), (8, 512, 8, 3), (8, 128, 2, 3), (16, 256, 4, 2),
+             (16, 512, 8, 2), (16, 128, 4, 3), (32, 256, 8, 2), (32, 128, 4, 2)]
 # GEMM2 (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K, REDUCE).
-G2_SAMPLE = [(16, 256, 4, 2, 1, "atomic"), (32, 128, 4, 2, 1, "atomic"),
+G2_SAMPLE = [(16, 256, 4, 2, 1, "atomic"), (16, 512, 4, 2, 1, "atomic"),
+             (32, 128, 4, 2, 1, "atomic"),
              (32, 256, 8, 2, 1, "atomic"), (64, 128, 4, 2, 1, "atomic"),
              (64, 64, 4, 3, 1, "atomic"), (128, 64, 8, 2, 1, "atomic"),
              (16, 128, 2, 2, 1, "atomic"), (32, 128, 4, 2, 2, "atomic"),

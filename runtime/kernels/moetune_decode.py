@@ -38,11 +38,11 @@ class MoetuneDecodeKernel(BaseKernel):
     name = "moetune_decode"
     params = (
         Param("g1_BLOCK_N", (4, 8, 16, 32, 64)),
-        Param("g1_BLOCK_K", (64, 128, 256, 512)),
+        Param("g1_BLOCK_K", (64, 128, 256, 512, 1024)),
         Param("g1_num_warps", (2, 4, 8)),
         Param("g1_num_stages", (1, 2, 3)),
         Param("g2_BLOCK_N", (8, 16, 32, 64, 128)),
-        Param("g2_BLOCK_K", (32, 64, 128, 256)),
+        Param("g2_BLOCK_K", (32, 64, 128, 256, 512)),
         Param("g2_num_warps", (2, 4, 8)),
         Param("g2_num_stages", (1, 2, 3)),
         Param("SPLIT_K", (1, 2, 4)),
