@@ -9,6 +9,7 @@ import importlib.metadata
 import os
 import platform as _pyplatform
 import re
+from collections.abc import Mapping
 from typing import Any
 
 
@@ -29,7 +30,32 @@ class SKU:
     memory_bytes: int
 
     def matches(self, other: SKU) -> bool:
-        return (self.vendor, self.name, self.arch) == (other.vendor, other.name, other.arch)
+        return self.key == other.key
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        """(vendor, name, arch): what a table row's SKU must equal to be served here."""
+        return self.vendor.value, self.name, self.arch
+
+    @property
+    def sm(self) -> int:
+        """An NVIDIA GPU's compute capability as one number (``sm_90`` -> 90); 0 elsewhere."""
+        return int(self.arch.removeprefix("sm_")) if self.arch.startswith("sm_") else 0
+
+    def to_row(self) -> dict[str, Any]:
+        """The SKU as tables store it (``db`` SKU rows and ``WinnerRecord.sku``)."""
+        return {"vendor": self.vendor.value, "name": self.name, "arch": self.arch,
+                "compute_units": self.compute_units, "memory_bytes": self.memory_bytes}
+
+    @classmethod
+    def from_row(cls, row: Mapping[str, Any]) -> SKU:
+        return cls(Vendor(row["vendor"]), row["name"], row["arch"], int(row["compute_units"]),
+                   int(row["memory_bytes"]))
+
+    @staticmethod
+    def row_key(row: Mapping[str, Any]) -> tuple[str, str, str]:
+        """``key`` of a stored SKU row."""
+        return row["vendor"], row["name"], row["arch"]
 
     def label(self) -> str:
         return f"{self.vendor.value}:{self.name} ({self.arch}, {self.compute_units} units)"

@@ -20,12 +20,11 @@ def main() -> None:
     args = parser.parse_args()
     if args.configs:
         os.environ["VLLM_TUNED_CONFIG_FOLDER"] = os.path.realpath(args.configs)
-    from moetune.runtime.platform import SKU, Vendor
+    from moetune.runtime.platform import SKU
     from moetune.tuner.report import speedup_markdown
 
     snapshot = db.read_winners(args.table)
-    s = snapshot.skus[0]
-    sku = SKU(Vendor(s["vendor"]), s["name"], s["arch"], s["compute_units"], s["memory_bytes"])
+    sku = SKU.from_row(snapshot.skus[0])
     print(speedup_markdown(snapshot, sku))
 
 

@@ -116,8 +116,7 @@ def _command_line() -> str:
 
 
 def _sku_row(session: object, sku: SKU) -> db.SkuRow:
-    return db.get_or_create_sku(session, vendor=sku.vendor.value, name=sku.name, arch=sku.arch,
-                                compute_units=sku.compute_units, memory_bytes=sku.memory_bytes)
+    return db.get_or_create_sku(session, **sku.to_row())
 
 
 def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: JobOptions, *,

@@ -60,7 +60,7 @@ class AiterTritonKernel(BaseKernel):
             return None
         if interpret:
             return "TRITON_INTERPRET=1 was set when aiter loaded: kernels would run interpreted"
-        if sku.vendor is Vendor.NVIDIA and _sm(sku) < 80:
+        if sku.vendor is Vendor.NVIDIA and sku.sm < 80:
             return f"aiter's Triton MoE needs sm_80 or newer, device is {sku.arch}"
         return None
 
@@ -72,7 +72,7 @@ class AiterTritonKernel(BaseKernel):
             return None
         if sku.vendor is not Vendor.NVIDIA:
             return "fp8 runs on NVIDIA only here (ROCm's gfx942 needs e4m3fnuz, the interpreter has no fp8)"
-        if _sm(sku) < 89:
+        if sku.sm < 89:
             return f"fp8 tensor cores need sm_89 or newer, device is {sku.arch}"
         return None
 
@@ -138,10 +138,6 @@ class AiterTritonKernel(BaseKernel):
             return activate(h.view(m * topk, n), problem)
 
         return stage
-
-
-def _sm(sku: SKU) -> int:
-    return int(sku.arch.removeprefix("sm_")) if sku.arch.startswith("sm_") else 0
 
 
 def bind_gemm(fn: Callable[..., Any], problem: MoEProblem, w: torch.Tensor,

@@ -27,7 +27,7 @@ class TorchGroupedKernel(BaseKernel):
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
         if not hasattr(torch, "_grouped_mm"):
             return f"torch {torch.__version__} has no _grouped_mm"
-        if sku.vendor is Vendor.NVIDIA and int(sku.arch.removeprefix("sm_")) < 90:
+        if sku.vendor is Vendor.NVIDIA and sku.sm < 90:
             return f"_grouped_mm needs sm_90 or newer, device is {sku.arch}"
         if sku.vendor is Vendor.AMD:
             return "_grouped_mm is not built for ROCm here"

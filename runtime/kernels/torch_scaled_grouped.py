@@ -30,7 +30,7 @@ class TorchScaledGroupedKernel(BaseKernel):
             return f"torch {torch.__version__} has no _scaled_grouped_mm"
         if sku.vendor is not Vendor.NVIDIA:
             return "_scaled_grouped_mm runs on NVIDIA GPUs only"
-        if int(sku.arch.removeprefix("sm_")) < 90:
+        if sku.sm < 90:
             return f"_scaled_grouped_mm needs sm_90 or newer, device is {sku.arch}"
         if importlib.util.find_spec("triton") is None:
             return "triton is not installed (activation quantization)"
