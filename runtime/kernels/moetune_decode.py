@@ -124,9 +124,12 @@ class MoetuneDecodeKernel(BaseKernel):
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
-        """Tiles that give every SM a couple of programs (rows no wider than 16 in GEMM1 and 64
-        in GEMM2), with K as long as the accumulators allow at 4 warps."""
+        """Tiles that give every SM two programs (rows no wider than 16 in GEMM1 and 64 in
+        GEMM2), with K as long as the accumulators allow at 4 warps. On the CPU (the
+        interpreter, whose cost is per program) the widest tiles."""
         pairs = problem.num_tokens * problem.topk
+        gpu = sku.vendor is not Vendor.CPU
+        programs = 2 * sku.compute_units if gpu else 1
         h, i = problem.hidden_size, problem.intermediate_size
         halves = 2 if problem.gated else 1
         longest = 512 if problem.quant.is_fp8 else 128 if problem.dtype is DType.FLOAT32 else 256
@@ -135,13 +138,15 @@ class MoetuneDecodeKernel(BaseKernel):
         def tile(n: int, k: int, ns: tuple[int, ...], ks: tuple[int, ...], parts: int,
                  widest: int) -> tuple[int, int]:
             fits = [b for b in ns if b <= max(min(widest, _pow2(n)), ns[0])]
-            block_n = next((b for b in reversed(fits) if pairs * -(-n // b) >= 256), fits[0])
+            block_n = next((b for b in reversed(fits) if pairs * -(-n // b) >= programs),
+                           fits[0])
             ks = [b for b in ks if b <= max(min(longest, _pow2(k)), ks[0])]
             block_k = next(b for b in reversed(ks) if parts * block_n * b <= limit or b == ks[0])
             return block_n, block_k
 
-        n1, k1 = tile(i, h, _choices("g1_BLOCK_N"), _choices("g1_BLOCK_K"), halves, 16)
-        n2, k2 = tile(h, i, _choices("g2_BLOCK_N"), _choices("g2_BLOCK_K"), 1, 64)
+        n1, k1 = tile(i, h, _choices("g1_BLOCK_N"), _choices("g1_BLOCK_K"), halves,
+                      16 if gpu else 64)
+        n2, k2 = tile(h, i, _choices("g2_BLOCK_N"), _choices("g2_BLOCK_K"), 1, 64 if gpu else 128)
         seed = {"g1_BLOCK_N": n1, "g1_BLOCK_K": k1, "g1_num_warps": 4, "g1_num_stages": 2,
                 "g2_BLOCK_N": n2, "g2_BLOCK_K": k2, "g2_num_warps": 4, "g2_num_stages": 2,
                 "SPLIT_K": 1, "REDUCE": "atomic"}
