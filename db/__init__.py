@@ -27,6 +27,7 @@ from moetune.db._read import (
     read_runs,
     read_winners,
 )
+from moetune.db._reader import WinnerReader
 from moetune.db._schema import HEAD_REVISION, alembic_config, is_url, schema_revision
 from moetune.db._server import display_url
 from moetune.db._tuning import (
@@ -56,6 +57,7 @@ __all__ = [
     "TableFile",
     "TableSnapshot",
     "TuningRun",
+    "WinnerReader",
     "WinnerRecord",
     "WinnerRow",
     "add_measurement",

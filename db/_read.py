@@ -1,8 +1,8 @@
-"""The read API: a whole table as plain frozen values, loaded once.
+"""The read API: a table's winners as plain frozen values.
 
-The dispatcher loads a table at startup and never touches the database again, so nothing here
-returns ORM objects or keeps a connection open. One malformed row is reported, not raised:
-serving falls back for that bucket instead of crashing.
+Nothing here returns ORM objects or keeps a connection open (serving's ``WinnerReader`` holds
+one, and reads with the helpers here). One malformed row is reported, not raised: serving falls
+back for that bucket instead of crashing.
 """
 
 import dataclasses
@@ -10,7 +10,7 @@ import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import select
+from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from moetune.db._files import open_table
@@ -18,6 +18,7 @@ from moetune.db._schema import is_url
 from moetune.db._jsontext import load_json
 from moetune.db._models import (
     BUCKET_COLUMNS,
+    SKU_COLUMNS,
     BucketRow,
     Measurement,
     SkuRow,
@@ -55,6 +56,17 @@ class WinnerRecord:
     baselines: tuple[dict[str, Any], ...] = ()
 
 
+# Core columns, read as plain tuples (no ORM layer in the way), and each distinct JSON text
+# parsed once: every vLLM process reads the table, and params repeat across buckets.
+_W, _B = WinnerRow.__table__.c, BucketRow.__table__.c
+_S, _R = SkuRow.__table__.c, TuningRun.__table__.c
+_WINNERS = WinnerRow.__table__.join(BucketRow.__table__, _W.bucket_id == _B.id)
+_WINNER_COLUMNS = tuple(_W[c] for c in (
+    "id", "kernel", "params", "median_us", "p20_us", "p80_us", "error", "baseline_kernel",
+    "baseline_params", "baseline_us", "speedup", "run_id", "source", "baselines", "sku_id"))
+_BUCKET_COLUMNS = tuple(_B[c] for c in BUCKET_COLUMNS)
+
+
 @dataclasses.dataclass(frozen=True)
 class TableSnapshot:
     """Everything serving needs from one table file.
@@ -81,23 +93,43 @@ class TableSnapshot:
 
 
 def read_winners(path: str | Path) -> TableSnapshot:
-    """Load every winner of a table file into memory.
+    """Load every winner of a table file into memory, in one transaction.
 
     Raises:
         TableError: If the file is missing, corrupt, not a moetune table, or newer than us.
             Malformed rows do not raise; they are listed in ``bad_rows``.
     """
     path = path if is_url(path) else Path(path)
+    with open_table(path) as table, table.session() as session:
+        return read_snapshot(session, path, table.revision, read_header(session))
+
+
+@dataclasses.dataclass(frozen=True)
+class TableHeader:
+    """What a table says besides its winners: ``skus`` by row id, the ``environment`` serving
+    validates against, and its problem, if any, in ``bad_rows``."""
+
+    skus: dict[int, dict[str, Any]]
+    environment: dict[str, Any]
+    bad_rows: tuple[str, ...]
+
+
+def read_header(session: Session) -> TableHeader:
+    """The header of the table ``session`` reads."""
+    query = select(_S.id, *(_S[c] for c in SKU_COLUMNS)).order_by(_S.id)
+    skus = {values[0]: dict(zip(SKU_COLUMNS, values[1:])) for values in session.execute(query)}
     bad_rows: list[str] = []
+    environment = _newest_environment(session, bad_rows)
+    return TableHeader(skus, environment, tuple(bad_rows))
+
+
+def read_snapshot(session: Session, path: Path | str, revision: str, header: TableHeader,
+                  *where: ColumnElement[bool]) -> TableSnapshot:
+    """The winners matching ``where`` (all without it), in id order, as a ``TableSnapshot``
+    whose ``bad_rows`` start with the header's."""
+    bad_rows = list(header.bad_rows)
     bad_winners: list[tuple[dict[str, Any], dict[str, Any], str]] = []
     rows: list[WinnerRecord] = []
-    # Plain column tuples, not ORM objects, and each distinct JSON text parsed once: every
-    # vLLM process loads the table, and params repeat across buckets.
-    columns = (WinnerRow.id, WinnerRow.kernel, WinnerRow.params, WinnerRow.median_us,
-               WinnerRow.p20_us, WinnerRow.p80_us, WinnerRow.error, WinnerRow.baseline_kernel,
-               WinnerRow.baseline_params, WinnerRow.baseline_us, WinnerRow.speedup,
-               WinnerRow.run_id, WinnerRow.source, WinnerRow.baselines, WinnerRow.sku_id)
-    bucket_columns = tuple(getattr(BucketRow, c) for c in BUCKET_COLUMNS)
     parsed: dict[str, dict[str, Any]] = {}
 
     def parse(text: str) -> dict[str, Any]:
@@ -106,46 +138,39 @@ def read_winners(path: str | Path) -> TableSnapshot:
             value = parsed[text] = load_json(text)
         return dict(value)
 
-    with open_table(path) as table, table.session() as session:
-        sku_rows = {sku.id: sku.key() for sku in session.scalars(select(SkuRow).order_by(SkuRow.id))}
-        skus = list(sku_rows.values())
-        environment = _newest_environment(session, bad_rows)
-        query = (
-            select(*columns, *bucket_columns)
-            .join(BucketRow, WinnerRow.bucket_id == BucketRow.id)
-            .order_by(WinnerRow.id)
-        )
-        for values in session.execute(query):
-            (winner_id, kernel, params_text, median_us, p20_us, p80_us, error, baseline_kernel,
-             baseline_text, baseline_us, speedup, run_id, source, baselines_text, sku_id) = \
-                values[:len(columns)]
-            bucket = dict(zip(BUCKET_COLUMNS, values[len(columns):]))
-            sku = sku_rows[sku_id]
-            where = f"winner {winner_id} ({kernel}, bucket {bucket})"
-            try:
-                params = parse(params_text)
-                baseline_params = parse(baseline_text)
-            except ValueError as e:
-                why = f"params are not a JSON object: {e}"
-                bad_rows.append(f"{where}: {why}")
-                bad_winners.append((sku, bucket, why))
-                continue
-            try:
-                baselines = _baselines(baselines_text, source, (kernel, params),
-                                       (baseline_kernel, baseline_params), baseline_us)
-            except (ValueError, TypeError, KeyError) as e:
-                why = f"baselines are not a JSON list of objects: {e}"
-                bad_rows.append(f"{where}: {why}")
-                bad_winners.append((sku, bucket, why))
-                continue
-            rows.append(WinnerRecord(
-                sku=sku, bucket=bucket, kernel=kernel, params=params, median_us=median_us,
-                p20_us=p20_us, p80_us=p80_us, error=error, baseline_kernel=baseline_kernel,
-                baseline_params=baseline_params, baseline_us=baseline_us, speedup=speedup,
-                run_id=run_id, source=source, baselines=baselines,
-            ))
-        revision = table.revision
-    return TableSnapshot(path, revision, skus, environment, rows, bad_rows, bad_winners)
+    query = select(*_WINNER_COLUMNS, *_BUCKET_COLUMNS).select_from(_WINNERS).where(*where) \
+        .order_by(_W.id)
+    for values in session.execute(query):
+        (winner_id, kernel, params_text, median_us, p20_us, p80_us, error, baseline_kernel,
+         baseline_text, baseline_us, speedup, run_id, source, baselines_text, sku_id) = \
+            values[:len(_WINNER_COLUMNS)]
+        bucket = dict(zip(BUCKET_COLUMNS, values[len(_WINNER_COLUMNS):]))
+        sku = header.skus[sku_id]
+        where_text = f"winner {winner_id} ({kernel}, bucket {bucket})"
+        try:
+            params = parse(params_text)
+            baseline_params = parse(baseline_text)
+        except ValueError as e:
+            why = f"params are not a JSON object: {e}"
+            bad_rows.append(f"{where_text}: {why}")
+            bad_winners.append((sku, bucket, why))
+            continue
+        try:
+            baselines = _baselines(baselines_text, source, (kernel, params),
+                                   (baseline_kernel, baseline_params), baseline_us)
+        except (ValueError, TypeError, KeyError) as e:
+            why = f"baselines are not a JSON list of objects: {e}"
+            bad_rows.append(f"{where_text}: {why}")
+            bad_winners.append((sku, bucket, why))
+            continue
+        rows.append(WinnerRecord(
+            sku=sku, bucket=bucket, kernel=kernel, params=params, median_us=median_us,
+            p20_us=p20_us, p80_us=p80_us, error=error, baseline_kernel=baseline_kernel,
+            baseline_params=baseline_params, baseline_us=baseline_us, speedup=speedup,
+            run_id=run_id, source=source, baselines=baselines,
+        ))
+    return TableSnapshot(path, revision, list(header.skus.values()), header.environment, rows,
+                         bad_rows, bad_winners)
 
 
 def _baselines(text: str | None, source: str, winner: tuple[str, dict[str, Any]],
@@ -277,10 +302,10 @@ def _measurement_dict(m: Measurement, bucket: BucketRow, sku: SkuRow) -> dict[st
 def _newest_environment(session: Session, bad_rows: list[str]) -> dict[str, Any]:
     """The environment of the newest run that measured a winner; what the runtime validates
     against. A run killed or failed part-way still published the winners it finished."""
-    run = session.scalars(
-        select(TuningRun)
-        .where(TuningRun.id.in_(select(WinnerRow.run_id)))
-        .order_by(TuningRun.started_at.desc(), TuningRun.id.desc())
+    run = session.execute(
+        select(_R.id, _R.environment)
+        .where(select(_W.id).where(_W.run_id == _R.id).exists())
+        .order_by(_R.started_at.desc(), _R.id.desc())
         .limit(1)
     ).first()
     if run is None:

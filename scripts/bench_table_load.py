@@ -4,8 +4,10 @@ Usage: python scripts/bench_table_load.py [--rows 10000] [--repeat 5] [--profile
 For a side-by-side with an older commit, check it out as ``DIR/moetune`` (``git worktree add
 DIR/moetune REF``) and run this script again with ``PYTHONPATH=DIR`` right after.
 Writes a table of ``--rows`` measured winners for this machine's SKU (distinct buckets of many
-shapes, each timed against today's CPU rule), then times ``read_winners`` alone and the whole
-``Dispatcher.load`` (read, validate each row, decide what serves) in fresh calls. Prints Markdown.
+shapes, each timed against today's CPU rule), then times, each in fresh calls: ``read_winners``
+alone; ``Dispatcher.load``; the first ``select`` of one shape after a load (where a load that
+judges rows per shape does that shape's work); and a load whose ``status`` is then read (every
+row judged, as ``MOETUNE_MODE=strict`` does at startup). Prints Markdown.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import pstats
 import statistics
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from moetune import db
@@ -27,6 +30,13 @@ from moetune.runtime.platform import detect_sku, environment
 from moetune.runtime.problem import DEFAULT_BUCKETS, MoEProblem
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.job import source_commit
+
+
+def problem_of(i: int) -> MoEProblem:
+    """Row ``i``'s bucket: 18 buckets per shape, shapes differing in hidden and intermediate."""
+    shape_id = i // len(DEFAULT_BUCKETS)
+    return MoEProblem(DEFAULT_BUCKETS[i % len(DEFAULT_BUCKETS)], 128 * (1 + shape_id % 64),
+                      256 * (1 + shape_id // 64), 8, 2)
 
 
 def write_rows(path: Path, rows: int) -> None:
@@ -38,9 +48,7 @@ def write_rows(path: Path, rows: int) -> None:
         run = db.start_run(s, sku_row, environment=environment(), command="bench", commit=None,
                            driver=None)
         for i in range(rows):
-            m = DEFAULT_BUCKETS[i % len(DEFAULT_BUCKETS)]
-            shape_id = i // len(DEFAULT_BUCKETS)
-            problem = MoEProblem(m, 128 * (1 + shape_id % 64), 256 * (1 + shape_id // 64), 8, 2)
+            problem = problem_of(i)
             rule = rule_choice(problem, sku)
             bucket = db.get_or_create_bucket(s, **problem.to_row())
             base = [{"kernel": rule.kernel, "params": rule.params, "median_us": 20.0,
@@ -54,13 +62,16 @@ def write_rows(path: Path, rows: int) -> None:
         db.finish_run(s, run, db.RunStatus.FINISHED)
 
 
-def best_of(fn, repeat: int) -> tuple[float, float]:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
+def best_of(measure: Callable[[], float], repeat: int) -> tuple[float, float]:
+    """Best and median ms of ``repeat`` calls of ``measure`` (which returns seconds)."""
+    times = [measure() for _ in range(repeat)]
     return min(times) * 1e3, statistics.median(times) * 1e3
+
+
+def timed(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def main() -> None:
@@ -70,15 +81,25 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     args = parser.parse_args()
     sku = detect_sku("cpu")
+    problem = problem_of(args.rows // 2)  # a shape in the middle of the table
+
+    def first_select(path: Path) -> float:
+        loaded = Dispatcher.load(path, sku)
+        return timed(lambda: loaded.select(problem))
+
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "big.db"
         write_rows(path, args.rows)
         loaded = Dispatcher.load(path, sku)
+        assert loaded.select(problem).source == "table", loaded.select(problem)
         assert loaded.status.usable and loaded.status.rows == args.rows, loaded.status
-        read = best_of(lambda: db.read_winners(path), args.repeat)
-        load = best_of(lambda: Dispatcher.load(path, sku), args.repeat)
+        read = best_of(lambda: timed(lambda: db.read_winners(path)), args.repeat)
+        load = best_of(lambda: timed(lambda: Dispatcher.load(path, sku)), args.repeat)
+        select = best_of(lambda: first_select(path), args.repeat)
+        whole = best_of(lambda: timed(lambda: Dispatcher.load(path, sku).status), args.repeat)
         if args.profile:
-            cProfile.runctx("Dispatcher.load(path, sku)", globals(), locals(), "/tmp/load.prof")
+            cProfile.runctx("Dispatcher.load(path, sku).select(problem)", globals(), locals(),
+                            "/tmp/load.prof")
             pstats.Stats("/tmp/load.prof").sort_stats("cumulative").print_stats(25)
     print(f"# Table load, {args.rows} rows\n")
     print(f"- machine: {platform.processor() or platform.machine()}, {sku.label()}, "
@@ -88,7 +109,9 @@ def main() -> None:
           f"{args.repeat}\n")
     print("| step | best ms | median ms |\n|---|---|---|")
     print(f"| read_winners (SQLite -> plain rows) | {read[0]:.1f} | {read[1]:.1f} |")
-    print(f"| Dispatcher.load (read + verdict per row) | {load[0]:.1f} | {load[1]:.1f} |")
+    print(f"| Dispatcher.load | {load[0]:.1f} | {load[1]:.1f} |")
+    print(f"| first select of one shape, after load | {select[0]:.1f} | {select[1]:.1f} |")
+    print(f"| load + status (every row judged, as strict) | {whole[0]:.1f} | {whole[1]:.1f} |")
 
 
 if __name__ == "__main__":

@@ -77,8 +77,8 @@ class PluginState:
 
     # --- the table -------------------------------------------------------------------------
     def dispatcher(self) -> Any:
-        """The process's dispatcher, loaded on first use with one log line (and one warning
-        per faulty row).
+        """The process's dispatcher, loaded on first use with one log line (``strict`` judges
+        every row then; otherwise ``plan`` warns about each faulty row of its shape).
 
         Raises:
             TableError: in ``strict`` mode, if the table is missing, invalid, for another SKU,
@@ -99,10 +99,15 @@ class PluginState:
         if path is None and shipped_table(sku).is_file():
             path = shipped_table(sku)
         dispatcher = Dispatcher.load(path, sku)
-        st = dispatcher.status
         mode = self.settings.mode.value
         strict = self.settings.mode is Mode.STRICT
-        if st.usable and st.faulty_rows and strict:
+        if dispatcher.usable and not strict:  # rows are judged per shape: see ``plan``
+            logger.info("moetune: mode %s, table %s: %d rows, SKU %s matches; a shape's rows "
+                        "are checked when its first layer attaches (pid %d)", mode, path,
+                        dispatcher.table_rows, sku.label(), os.getpid())
+            return dispatcher
+        st = dispatcher.status  # strict: every row judged now, to refuse a faulty table
+        if st.usable and st.faulty_rows:
             raise TableError(
                 f"moetune (MOETUNE_MODE=strict) refuses to start: table {st.path} has "
                 f"{len(st.faulty_rows)} faulty rows: {'; '.join(st.faulty_rows)}. Re-tune or "
@@ -111,9 +116,6 @@ class PluginState:
             rejected = f", {len(st.rejected_rows)} rows rejected" if st.rejected_rows else ""
             logger.info("moetune: mode %s, table %s: %d rows, SKU %s matches%s (pid %d)",
                         mode, st.path, st.rows, sku.label(), rejected, os.getpid())
-            for row in st.faulty_rows:
-                logger.warning("moetune: table %s: %s; vLLM's own kernel runs for that bucket "
-                               "(counted as fallback)", st.path, row)
         elif strict:
             raise TableError(
                 f"moetune (MOETUNE_MODE=strict) refuses to start: table {st.path or '(none)'} "
@@ -143,7 +145,8 @@ class PluginState:
             self.dispatcher()
 
     def plan(self, shape: Shape, layout: WeightLayout) -> ShapePlan:
-        """The shared plan of every layer of ``shape`` holding ``layout``, built on first use.
+        """The shared plan of every layer of ``shape`` holding ``layout``, built on first use
+        (the shape's first also warns about each of its faulty rows).
 
         Raises:
             TableError: as ``dispatcher``.
@@ -155,6 +158,11 @@ class PluginState:
             with self._lock:
                 plan = self._plans.get(key)
                 if plan is None:
+                    if all(s != shape for s, _ in self._plans):  # the shape's first plan
+                        for row in dispatcher.faulty_rows(shape):
+                            logger.warning("moetune: table %s: %s; vLLM's own kernel runs for "
+                                           "that bucket (counted as fallback)",
+                                           dispatcher.path, row)
                     plan = self._plans[key] = ShapePlan.build(
                         dispatcher, shape, layout, dispatcher.faults(shape))
         return plan

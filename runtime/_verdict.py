@@ -1,0 +1,117 @@
+"""The one check of a winner row: whether serving on a SKU uses it, and what it runs.
+
+Serving judges the rows of a shape with it when the shape is first asked for; ``moetune show``
+and ``tune --skip-tuned`` judge each row they print or skip; ``merge``, ``export`` and
+``import`` share its row-level part, ``row_problem``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from moetune.db import WinnerRecord
+from moetune.errors import MoetuneError
+from moetune.runtime.kernels.base import params_key
+from moetune.runtime.platform import SKU
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.registry import Registry, default_registry
+from moetune.runtime.rules import rule_choice
+
+
+@dataclasses.dataclass(frozen=True)
+class Selection:
+    """What to run for one call. ``source`` is ``table`` or ``rule``; ``reason`` says why."""
+
+    kernel: str
+    params: dict[str, Any]
+    source: str
+    reason: str
+    bucket: int | None = None
+    median_us: float | None = None
+    speedup: float | None = None
+    #: The kernel and params are what the rule picks for this call: the engine's own kernel,
+    #: which serves it best (no copy, no wrapper), though the table chose it.
+    rule_pick: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RowVerdict:
+    """Whether a table row is served on a SKU: ``selection`` is what it makes serving run, or
+    None, and ``reason`` says why (``other_sku``: the row is for another device)."""
+
+    selection: Selection | None
+    reason: str
+    problem: MoEProblem | None = None
+    other_sku: bool = False
+    #: Not served only because today's rule was not among its baselines (re-tune it).
+    stale: bool = False
+
+
+def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_registry) -> RowVerdict:
+    """The one check of a winner row, shared by serving, ``show`` and ``tune --skip-tuned``.
+
+    A row is served when it is valid (``row_problem``, the part ``merge``, ``export`` and
+    ``import`` share: its bucket and kernel are known and its params lie in the kernel's
+    declared space) and, for measured rows, today's rule here is one of the baselines it was
+    timed against: if the winner beat it the winner runs, if not the rule's pick runs. Imported
+    rows won nothing here; they are the user's choice and serve as they are.
+    """
+    if (row.sku["vendor"], row.sku["name"], row.sku["arch"]) != (sku.vendor.value, sku.name,
+                                                                 sku.arch):
+        return RowVerdict(None, f"for {row.sku['vendor']}:{row.sku['name']} ({row.sku['arch']}), "
+                                f"this device is {sku.label()}", other_sku=True)
+    problem, params, invalid = _validated(row, registry)
+    if invalid is not None:
+        return RowVerdict(None, invalid, problem)
+    served = Selection(row.kernel, params, "table",
+                       f"table winner for bucket M={problem.num_tokens}", problem.num_tokens,
+                       row.median_us, row.speedup)
+    if row.source != "measured":
+        return RowVerdict(served, f"imported ({row.source})", problem)
+    rule = rule_choice(problem, sku)
+    rule_key = params_key(rule.params)
+    measured = next((b for b in row.baselines if b["kernel"] == rule.kernel
+                     and params_key(b["params"]) == rule_key), None)
+    if measured is None:
+        tried = "; ".join(f"{b['kernel']} {params_key(b['params'])}" for b in row.baselines)
+        return RowVerdict(None, f"stale: tuned against {tried or 'no baseline'}, but the rule "
+                                f"here is {rule.kernel} {params_key(rule.params)} "
+                                f"({rule.reason}): re-tune this bucket", problem, stale=True)
+    if row.kernel == rule.kernel and params_key(params) == rule_key:
+        return RowVerdict(served, "the winner is today's rule's pick", problem)
+    if measured.get("beaten"):
+        return RowVerdict(served, f"beat today's rule ({rule.kernel})", problem)
+    kept = Selection(rule.kernel, rule.params, "table",
+                     f"table: the rule's pick is as fast as any candidate at M="
+                     f"{problem.num_tokens}", problem.num_tokens, measured.get("median_us"), 1.0)
+    return RowVerdict(kept, "today's rule was not beaten: the rule's pick runs", problem)
+
+
+def row_problem(row: WinnerRecord, registry: Registry = default_registry) -> str | None:
+    """Why ``row`` is invalid on any device, or None: the row-level part of ``row_verdict``.
+
+    A row is invalid when its bucket is not a MoE problem, its kernel is unknown, or its params
+    lie outside the kernel's declared space. Staleness and the SKU are serving questions this
+    leaves to ``row_verdict``. ``merge``, ``export`` and ``import`` drop the rows this refuses,
+    with this reason (the one ``show`` prints); rows that ``read_winners`` could not parse are
+    refused before any check.
+    """
+    return _validated(row, registry)[2]
+
+
+def _validated(row: WinnerRecord, registry: Registry) -> tuple[
+        MoEProblem | None, dict[str, Any] | None, str | None]:
+    """The row's problem and checked params, or why it has none (the problem when known)."""
+    try:
+        problem = MoEProblem.from_row(row.bucket)
+    except (MoetuneError, KeyError, TypeError, ValueError) as e:
+        return None, None, f"invalid bucket: {e}"
+    try:
+        kernel = registry.get(row.kernel)
+    except KeyError:
+        return problem, None, f"unknown kernel {row.kernel!r}"
+    try:
+        return problem, kernel.validate(row.params), None
+    except (MoetuneError, TypeError) as e:
+        return problem, None, f"invalid params: {e}"
