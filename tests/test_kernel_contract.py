@@ -75,7 +75,7 @@ def test_every_registered_kernel_matches_the_reference_or_says_why_not(name, sku
         got = kernel.prepare(problem, kernel.validate(params), weights)(*batch.args())
         assert got.shape == batch.x.shape and got.dtype == batch.x.dtype, problem.describe()
         error = relative_error(got, want)
-        assert error <= tolerance(problem), (problem.describe(), params, error)
+        assert error <= tolerance(problem, DEVICE), (problem.describe(), params, error)
 
 
 def test_the_reference_and_the_rules_kernels_run_here(sku):

@@ -15,11 +15,17 @@ from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 # grow through two GEMMs and an activation; fp8 e4m3 keeps 3 bits and quantizes activations too.
 _TOLERANCE = {DType.FLOAT32: 1e-4, DType.FLOAT16: 1e-2, DType.BFLOAT16: 2.5e-2}
 _FP8_TOLERANCE = 8e-2
+# On GPUs Triton's float32 dot runs on TF32 tensor cores (10 mantissa bits), vLLM's own fused-MoE
+# kernel included: measured on an H200 at 2.4e-3 from the float32 reference at tiny shapes.
+_TF32_TOLERANCE = 1e-2
 
 
-def tolerance(problem: MoEProblem) -> float:
+def tolerance(problem: MoEProblem, device: str = "cpu") -> float:
+    """The error a correct kernel for ``problem`` stays within on ``device``."""
     if problem.quant is not QuantScheme.NONE:
         return _FP8_TOLERANCE
+    if problem.dtype is DType.FLOAT32 and not device.startswith("cpu"):
+        return _TF32_TOLERANCE
     return _TOLERANCE[problem.dtype]
 
 

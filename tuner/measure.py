@@ -97,10 +97,10 @@ class Measurer:
             return Result(kernel, params, Status.FAILED, reason=describe_exception(e),
                           first_call_s=time.perf_counter() - start)
         first = time.perf_counter() - start
-        if not error <= tolerance(self.problem):
+        allowed = tolerance(self.problem, self.device)
+        if not error <= allowed:
             return Result(kernel, params, Status.WRONG, error=error,
-                          reason=f"relative error {error:.3g} > {tolerance(self.problem):.3g}",
-                          first_call_s=first)
+                          reason=f"relative error {error:.3g} > {allowed:.3g}", first_call_s=first)
         try:
             timing = time_op(fn, self.inputs, self.device, reps=self.reps, cutoff_us=cutoff_us)
         except Exception as e:
