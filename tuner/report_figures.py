@@ -88,7 +88,7 @@ def _ticks(shape: ShapeView) -> tuple[list[int], list[str]]:
 
 
 def _speedup(shape: ShapeView) -> Figure:
-    fig = Figure(figsize=(9, 3.6), layout="constrained")
+    fig = Figure(figsize=(9, 3.9), layout="constrained")
     ax = fig.add_subplot()
     x, labels = _ticks(shape)
     bars = [b.row.speedup for b in shape.buckets if b.row.speedup] or [1.0]
@@ -143,7 +143,7 @@ def _speedup(shape: ShapeView) -> Figure:
         name = others[0] if len(others) == 1 else "other rule variants"
         handles.append(ax.plot([], [], marker="_", markersize=12, markeredgewidth=1.6,
                                linestyle="", color="#555", label=f"speedup over {name}")[0])
-    ax.legend(handles=handles, fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.legend(handles=handles, fontsize=7, loc="outside lower center", ncols=len(handles))
     return fig
 
 
