@@ -1,9 +1,11 @@
-"""Merging two table files, e.g. buckets tuned on two machines of the same SKU."""
+"""Merging table files, e.g. buckets tuned on two machines of the same SKU; or copying one
+(what ``export`` and ``import`` write). Only winners the row check accepts are copied."""
 
+import contextlib
 import dataclasses
 import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -11,6 +13,17 @@ from sqlalchemy.orm import Session
 from moetune.db._copy import IdMap, copy_provenance, copy_winner
 from moetune.db._files import atomic_table, open_table
 from moetune.db._models import BucketRow, SkuRow, TuningRun, WinnerRow
+from moetune.db._read import WinnerRecord, read_winners
+from moetune.db._schema import is_url
+from moetune.db._server import display_url
+from moetune.errors import TableError
+
+#: Why a winner row must not be in a table, or None. ``db`` cannot judge kernels (it imports
+#: nothing from the runtime), so callers hand in the runtime's check,
+#: ``moetune.runtime.dispatcher.row_problem``, the one serving and ``show`` use.
+RowCheck = Callable[[WinnerRecord], str | None]
+
+_Key = tuple[tuple[Any, ...], tuple[Any, ...]]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,11 +40,28 @@ class MergeConflict:
     reason: str
 
     def __str__(self) -> str:
-        shape = " ".join(f"{k}={v}" for k, v in self.bucket.items())
         return (
-            f"{self.sku['name']} {shape}: a={self.kernel_a} {_us(self.median_us_a)}, "
+            f"{_where(self.sku, self.bucket)}: a={self.kernel_a} {_us(self.median_us_a)}, "
             f"b={self.kernel_b} {_us(self.median_us_b)} -> {self.winner} ({self.reason})"
         )
+
+
+@dataclasses.dataclass(frozen=True)
+class DroppedRow:
+    """A winner left out of the output because it is invalid: unreadable (params or baselines
+    that are not JSON), or refused by the row check (unknown kernel, params outside its space)."""
+
+    table: str
+    sku: dict[str, Any]
+    bucket: dict[str, Any]
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{_where(self.sku, self.bucket)} from {self.table}: {self.reason}"
+
+
+def _where(sku: dict[str, Any], bucket: dict[str, Any]) -> str:
+    return f"{sku['name']} " + " ".join(f"{k}={v}" for k, v in bucket.items())
 
 
 def _us(value: float | None) -> str:
@@ -40,13 +70,15 @@ def _us(value: float | None) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class MergeReport:
-    """What ``merge_tables`` wrote: winners in total and from each side, and every conflict."""
+    """What ``merge_tables`` wrote: winners in total and from each side, every conflict, and
+    every winner dropped as invalid."""
 
     output: Path
     rows: int
     from_a: int
     from_b: int
     conflicts: list[MergeConflict]
+    dropped: list[DroppedRow] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,12 +89,20 @@ class _Candidate:
     ids: IdMap
 
 
-def merge_tables(a: str | Path, b: str | Path, out: str | Path) -> MergeReport:
+def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
+                 check: RowCheck | None, include_measurements: bool = True,
+                 strict: bool = False) -> MergeReport:
     """Write the union of tables ``a`` and ``b`` to ``out`` (atomically; ``out`` may be ``a``).
 
-    SKUs, buckets, runs and measurements of both are kept, re-identified (rows already present,
-    e.g. when ``b`` was exported from ``a``, are not duplicated). Where both have a winner for
-    the same (SKU, bucket), one rule decides, in this order:
+    With ``b`` None, ``a`` alone is copied: what ``export`` and ``import`` write. SKUs, buckets,
+    runs and (unless ``include_measurements`` is false) measurements are kept, re-identified
+    (rows already present, e.g. when ``b`` was exported from ``a``, are not duplicated).
+
+    Invalid winners are left out first, so they never win a bucket, and listed in the report
+    with the reason: those ``read_winners`` cannot parse (params or baselines that are not
+    JSON) and those ``check`` refuses (``check=None`` keeps every readable winner). Winners
+    that are valid but that serving would not use here (another SKU's, stale ones) are kept.
+    Where both have a winner for the same (SKU, bucket), one rule decides, in this order:
 
     0. *Measured beats imported*: a winner a tuning run measured beats one imported from vLLM
        or aiter files; between two imports without both times, the newer import wins.
@@ -75,39 +115,103 @@ def merge_tables(a: str | Path, b: str | Path, out: str | Path) -> MergeReport:
 
     Identical winners (same kernel, params and times) are not reported as conflicts.
 
+    Args:
+        a: A table (file or server URL).
+        b: Another table, or None to copy ``a`` alone.
+        out: The table file to write; an existing one must be a moetune table and is replaced.
+        check: The row check, ``moetune.runtime.dispatcher.row_problem``; or None.
+        include_measurements: Also copy every trial (large; needed to resume or audit).
+        strict: Refuse to write anything if a winner is invalid.
+
     Raises:
-        TableError: If an input cannot be read or ``out`` cannot be written.
+        TableError: If an input cannot be read or ``out`` cannot be written; or, leaving
+            ``out`` untouched, if a winner is invalid and ``strict``, or every winner is.
     """
-    with open_table(a) as table_a, open_table(b) as table_b:
-        with table_a.session() as session_a, table_b.session() as session_b:
-            with atomic_table(out, start_from_existing=False) as merged, merged.session() as target:
-                ids_a = copy_provenance(session_a, target, include_measurements=True)
-                ids_b = copy_provenance(session_b, target, include_measurements=True)
-                winners_a = _candidates(session_a, "a", ids_a)
-                winners_b = _candidates(session_b, "b", ids_b)
-                counts = {"a": 0, "b": 0}
-                conflicts = []
-                for key in sorted(winners_a.keys() | winners_b.keys()):
-                    first, second = winners_a.get(key), winners_b.get(key)
-                    if first is not None and second is not None:
-                        chosen, reason = _choose(first, second)
-                        if reason is not None:
-                            conflicts.append(_conflict(session_a, first, second, chosen, reason))
-                    else:
-                        chosen = first or second
-                    counts[chosen.side] += 1
-                    copy_winner(target, chosen.winner, chosen.ids)
-    return MergeReport(Path(out), counts["a"] + counts["b"], counts["a"], counts["b"], conflicts)
+    sources = {"a": a} if b is None else {"a": a, "b": b}
+    invalid: dict[str, dict[_Key, DroppedRow]] = {}
+    valid = 0
+    for side, path in sources.items():
+        invalid[side], n = _invalid_winners(path, check)
+        valid += n
+    dropped = [d for rows in invalid.values() for d in sorted(rows.values(), key=_order)]
+    if dropped and (strict or not valid):
+        why = "invalid winners" if strict else "every winner is invalid"
+        raise TableError(f"{_label(out)}: not written, {why}:"
+                         + "".join(f"\n  {d}" for d in dropped))
+    with contextlib.ExitStack() as stack:
+        sessions = {side: stack.enter_context(stack.enter_context(open_table(path)).session())
+                    for side, path in sources.items()}
+        merged = stack.enter_context(atomic_table(out, start_from_existing=False))
+        target = stack.enter_context(merged.session())
+        candidates = {
+            side: _candidates(session, side,
+                              copy_provenance(session, target,
+                                              include_measurements=include_measurements),
+                              invalid[side])
+            for side, session in sessions.items()
+        }
+        winners_a, winners_b = candidates["a"], candidates.get("b", {})
+        counts = {"a": 0, "b": 0}
+        conflicts = []
+        for key in sorted(winners_a.keys() | winners_b.keys()):
+            first, second = winners_a.get(key), winners_b.get(key)
+            if first is not None and second is not None:
+                chosen, reason = _choose(first, second)
+                if reason is not None:
+                    conflicts.append(_conflict(sessions["a"], first, second, chosen, reason))
+            else:
+                chosen = first or second
+            counts[chosen.side] += 1
+            copy_winner(target, chosen.winner, chosen.ids)
+    return MergeReport(Path(out), counts["a"] + counts["b"], counts["a"], counts["b"],
+                       conflicts, dropped)
 
 
-def _candidates(session: Session, side: str, ids: IdMap) -> dict[tuple[int, int], _Candidate]:
-    """A table's winners keyed by the *output's* (sku_id, bucket_id), so both sides align."""
-    query = select(WinnerRow, TuningRun.started_at).join(
-        TuningRun, WinnerRow.run_id == TuningRun.id
+def _invalid_winners(path: str | Path, check: RowCheck | None) -> tuple[
+        dict[_Key, DroppedRow], int]:
+    """The winners of ``path`` that must not be copied, by (SKU, bucket); and how many may."""
+    snapshot = read_winners(path)
+    label = _label(path)
+    invalid = {_key(sku, bucket): DroppedRow(label, sku, bucket, why)
+               for sku, bucket, why in snapshot.bad_winners}
+    valid = 0
+    for row in snapshot.rows:
+        why = None if check is None else check(row)
+        if why is None:
+            valid += 1
+        else:
+            invalid[_key(row.sku, row.bucket)] = DroppedRow(label, row.sku, row.bucket, why)
+    return invalid, valid
+
+
+def _order(row: DroppedRow) -> tuple[Any, ...]:
+    """SKU, then shape, then num_tokens: how a report lists rows."""
+    shape = (v for k, v in row.bucket.items() if k != "num_tokens")
+    return row.sku["name"], *shape, row.bucket["num_tokens"]
+
+
+def _key(sku: dict[str, Any], bucket: dict[str, Any]) -> _Key:
+    return tuple(sorted(sku.items())), tuple(sorted(bucket.items()))
+
+
+def _label(path: str | Path) -> str:
+    return display_url(str(path)) if is_url(path) else str(path)
+
+
+def _candidates(session: Session, side: str, ids: IdMap,
+                invalid: dict[_Key, DroppedRow]) -> dict[tuple[int, int], _Candidate]:
+    """A table's valid winners keyed by the *output's* (sku_id, bucket_id), so both sides
+    align."""
+    query = (
+        select(WinnerRow, TuningRun.started_at, SkuRow, BucketRow)
+        .join(TuningRun, WinnerRow.run_id == TuningRun.id)
+        .join(SkuRow, WinnerRow.sku_id == SkuRow.id)
+        .join(BucketRow, WinnerRow.bucket_id == BucketRow.id)
     )
     return {
         (ids.skus[w.sku_id], ids.buckets[w.bucket_id]): _Candidate(side, w, started_at, ids)
-        for w, started_at in session.execute(query)
+        for w, started_at, sku, bucket in session.execute(query)
+        if _key(sku.key(), bucket.key()) not in invalid
     }
 
 

@@ -165,3 +165,113 @@ def test_vllms_import_warning_stays_out_of_moetunes_output():
     assert run.returncode == 0, run.stderr
     assert "source:  rule" in run.stdout
     assert "Triton is installed" not in run.stdout + run.stderr
+
+
+# --- invalid rows in merge, export and import: dropped with the reason `show` gives -------------
+def _edited(tiny_table, path, edits):
+    """A copy of the tiny table with winners changed by bucket (num_tokens -> SET clause)."""
+    import sqlite3
+
+    path.write_bytes(tiny_table.read_bytes())
+    with sqlite3.connect(path) as con:
+        for num_tokens, assignment in edits.items():
+            con.execute(f"UPDATE winner SET {assignment} WHERE bucket_id = "
+                        "(SELECT id FROM bucket WHERE num_tokens = ?)", (num_tokens,))
+    return path
+
+
+UNKNOWN_KERNEL = "kernel = 'gone_kernel'"
+NOT_JSON = "params = '{not json'"
+OUT_OF_SPACE = """kernel = 'torch_dense', params = '{"chunk_tokens": 3}'"""
+STALE = """baselines = '{"variants":[]}'"""  # timed against no rule: valid, but not served
+
+
+def _dropped(output, num_tokens, table):
+    """The reason of the one ``dropped`` line for ``num_tokens`` from ``table``."""
+    [line] = [ln for ln in output.splitlines() if ln.startswith("dropped ")
+              and f" num_tokens={num_tokens} " in ln and f" from {table}: " in ln]
+    return line.partition(f" from {table}: ")[2]
+
+
+def _show(table):
+    """``show --json`` on this CPU: num_tokens (or the bad row's text) -> reason."""
+    rows = [json.loads(line) for line in
+            invoke("show", table, "--json", "--device", "cpu").output.strip().splitlines()]
+    return {r.get("num_tokens", r.get("bad_row")): r["served_reason"] for r in rows}
+
+
+def test_merge_drops_invalid_rows_one_line_each_and_keeps_stale_ones(tiny_table, tmp_path):
+    a = _edited(tiny_table, tmp_path / "a.db", {1: UNKNOWN_KERNEL, 16: NOT_JSON})
+    b = _edited(tiny_table, tmp_path / "b.db", {64: OUT_OF_SPACE, 16: STALE})
+    out = tmp_path / "m.db"
+    result = invoke("merge", a, b, "--output", out)
+    assert result.exit_code == 0, result.output
+    assert "merged into" in result.output and ": 3 winners, 0 conflicts" in result.output
+    assert _dropped(result.output, 1, a) == _show(a)[1] == "unknown kernel 'gone_kernel'"
+    assert _dropped(result.output, 16, a).startswith("params are not a JSON object")
+    [bad] = [text for key, text in _show(a).items() if isinstance(key, str)]
+    assert bad.endswith(_dropped(result.output, 16, a))
+    assert _dropped(result.output, 64, b) == _show(b)[64]
+    assert _show(b)[64].startswith("invalid params: torch_dense: chunk_tokens=3 not in")
+    assert len([ln for ln in result.output.splitlines() if ln.startswith("dropped ")]) == 3
+    assert "stale rows kept: 1 " in result.output
+    merged = {r.bucket["num_tokens"]: r for r in db.read_winners(out).rows}
+    originals = {r.bucket["num_tokens"]: r for r in db.read_winners(tiny_table).rows}
+    assert sorted(merged) == [1, 16, 64]
+    assert merged[1].kernel == originals[1].kernel and merged[64] == originals[64]
+    assert merged[16].baselines == () and _show(out)[16].startswith("stale")
+
+
+def test_strict_merge_refuses_and_a_merge_of_nothing_valid_fails(tiny_table, tmp_path):
+    a = _edited(tiny_table, tmp_path / "a.db", {1: UNKNOWN_KERNEL})
+    bad = _edited(tiny_table, tmp_path / "bad.db",
+                  {1: UNKNOWN_KERNEL, 16: NOT_JSON, 64: OUT_OF_SPACE})
+    out = tmp_path / "m.db"
+    strict = invoke("merge", a, tiny_table, "--output", out, "--strict")
+    assert strict.exit_code == 1 and "error:" in strict.output
+    assert "not written, invalid winners" in strict.output and "gone_kernel" in strict.output
+    nothing = invoke("merge", bad, bad, "--output", out)
+    assert nothing.exit_code == 1 and "every winner is invalid" in nothing.output
+    assert nothing.output.count(" from ") == 6 and "Traceback" not in nothing.output  # each side
+    assert not out.exists()
+    assert invoke("merge", a, tiny_table, "--output", out).exit_code == 0  # not strict
+
+
+def test_export_skips_invalid_rows_with_the_exact_reason(tiny_table, tmp_path):
+    table = _edited(tiny_table, tmp_path / "t.db", {1: UNKNOWN_KERNEL, 16: OUT_OF_SPACE})
+    artifact = tmp_path / "artifact.db"
+    result = invoke("export", table, "--output", artifact, "--with-measurements")
+    assert result.exit_code == 0, result.output
+    assert f"exported 1 rows of {table} -> {artifact}" in result.output
+    assert _dropped(result.output, 1, table) == "unknown kernel 'gone_kernel'"
+    assert _dropped(result.output, 16, table) == _show(table)[16]
+    assert [r.bucket["num_tokens"] for r in db.read_winners(artifact).rows] == [64]
+    assert len(db.read_measurements(artifact)) == len(db.read_measurements(table))
+    vllm = invoke("export", table, "--format", "vllm", "--output", tmp_path / "cfg")
+    assert "unknown kernel 'gone_kernel'" in vllm.output and _show(table)[16] in vllm.output
+    assert "gone_kernel: not a Triton fused-MoE config" not in vllm.output
+
+
+def test_import_refuses_invalid_rows_and_leaves_the_table_untouched_if_none_is_valid(
+        tiny_table, tmp_path):
+    source = _edited(tiny_table, tmp_path / "source.db", {64: OUT_OF_SPACE})
+    fresh = tmp_path / "fresh.db"
+    result = invoke("import", source, "--output", fresh)
+    assert result.exit_code == 0, result.output
+    assert _dropped(result.output, 64, source).startswith("invalid params: torch_dense:")
+    assert sorted(r.bucket["num_tokens"] for r in db.read_winners(fresh).rows) == [1, 16]
+    existing = _edited(tiny_table, tmp_path / "existing.db", {1: NOT_JSON, 64: UNKNOWN_KERNEL})
+    result = invoke("import", source, "--output", existing)
+    assert result.exit_code == 0, result.output
+    assert _dropped(result.output, 1, existing).startswith("params are not a JSON object")
+    assert _dropped(result.output, 64, existing) == "unknown kernel 'gone_kernel'"
+    assert _dropped(result.output, 64, source).startswith("invalid params: torch_dense:")
+    assert sorted(r.bucket["num_tokens"] for r in db.read_winners(existing).rows) == [1, 16]
+    bad = _edited(tiny_table, tmp_path / "bad.db",
+                  {1: UNKNOWN_KERNEL, 16: NOT_JSON, 64: OUT_OF_SPACE})
+    target = _edited(tiny_table, tmp_path / "target.db", {1: UNKNOWN_KERNEL, 16: NOT_JSON,
+                                                           64: OUT_OF_SPACE})
+    before = target.read_bytes()
+    refused = invoke("import", bad, "--output", target)
+    assert refused.exit_code == 1 and "every winner is invalid" in refused.output
+    assert target.read_bytes() == before

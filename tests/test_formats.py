@@ -222,6 +222,19 @@ def test_aiter_round_trip_reproduces_the_rows_aiter_can_look_up(tmp_path):
         assert float(row["us"]) == float(original["us"])
 
 
+AITER_KEY = ["304", "16", "4096", "512", "64", "8", "ActivationType.Silu", "torch.bfloat16",
+             "torch.bfloat16", "torch.bfloat16", "QuantType.No", "1", "0"]
+
+
+def _aiter_base(tmp_path: Path) -> Path:
+    """An aiter CSV with one row, for ``AITER_KEY`` (M=12 and M=16 pad to its token 16)."""
+    base = tmp_path / "base.csv"
+    base.write_text(",".join(formats_aiter.COLUMNS) + "\n" + ",".join(
+        AITER_KEY + ["32", "0", "10.0", "ck2stages_k1", "0.0%", "20.0", "ck2stages_k2", "1.0%",
+                     "30.0", "0", "1.0", "2.0"]) + "\n")
+    return base
+
+
 def test_aiter_export_pins_block_m_onto_the_base_rows_kernels(tmp_path):
     problem = with_tokens(12, hidden_size=4096, intermediate_size=512, num_experts=64, topk=8)
     table = write_table(tmp_path / "t.db", [
@@ -230,16 +243,11 @@ def test_aiter_export_pins_block_m_onto_the_base_rows_kernels(tmp_path):
         (MI300X, problem.with_tokens(128), "aiter_fused_moe", {"block_size_M": 32}, 90.0),
         (MI300X, problem.with_tokens(1), "aiter_asm_tkw1", {}, 10.0),
     ])
-    key = ["304", "16", "4096", "512", "64", "8", "ActivationType.Silu", "torch.bfloat16",
-           "torch.bfloat16", "torch.bfloat16", "QuantType.No", "1", "0"]
-    base = tmp_path / "base.csv"
-    base.write_text(",".join(formats_aiter.COLUMNS) + "\n" + ",".join(
-        key + ["32", "0", "10.0", "ck2stages_k1", "0.0%", "20.0", "ck2stages_k2", "1.0%", "30.0",
-               "0", "1.0", "2.0"]) + "\n")
+    base = _aiter_base(tmp_path)
     report = formats_aiter.export_aiter(table, tmp_path / "out.csv", base)
     rows = formats_aiter.read_csv(tmp_path / "out.csv")
     assert len(rows) == report.written == 1
-    assert [rows[0][c] for c in formats_aiter.KEY_COLUMNS] == key
+    assert [rows[0][c] for c in formats_aiter.KEY_COLUMNS] == AITER_KEY
     assert (rows[0]["block_m"], rows[0]["kernelName1"], rows[0]["us"]) == ("64", "ck2stages_k1",
                                                                            "40.0")
     assert rows[0]["us1"] == ""  # per-stage numbers are the base's, not moetune's
@@ -319,3 +327,100 @@ def test_imported_vllm_rows_show_no_invented_times(tmp_path):
     pick = dispatcher.select(problem)
     assert pick.source == "table" and pick.median_us is None  # imported rows still serve
     assert "imported: no speedup measured" in report.lookup_text(problem, dispatcher, pick)
+
+
+# --- invalid rows: the dispatcher's check, with the reason `show` gives --------------------------
+def _break_params(table: Path, num_tokens: int) -> None:
+    import sqlite3
+
+    with sqlite3.connect(table) as con:
+        con.execute("UPDATE winner SET params = '{not json' WHERE bucket_id = "
+                    "(SELECT id FROM bucket WHERE num_tokens = ?)", (num_tokens,))
+
+
+def _show_reasons(table: Path, sku: tuple) -> dict[str, str]:
+    """``moetune show --json``'s reason per row, on a device of ``sku``."""
+    from moetune.runtime.platform import SKU, Vendor
+    from moetune.tuner import report
+
+    here = SKU(Vendor(sku[0]), *sku[1:])
+    return {str(r.get("num_tokens", r.get("bad_row"))): r["served_reason"]
+            for r in report.winner_dicts(db.read_winners(table), here)}
+
+
+def test_vllm_export_skips_invalid_rows_with_the_reason_show_gives(tmp_path):
+    table = write_table(tmp_path / "t.db", [
+        (H200, with_tokens(1, **MIXTRAL), "aiter_triton", CONFIG, 30.0),
+        (H200, with_tokens(8, **MIXTRAL), "foo", CONFIG, 20.0),  # a Triton config, no kernel
+        (H200, with_tokens(16, **MIXTRAL), "foo", {}, 20.0),
+        (H200, with_tokens(32, **MIXTRAL), "aiter_triton", {**CONFIG, "BLOCK_SIZE_M": 7}, 40.0),
+        (H200, with_tokens(64, **MIXTRAL), "aiter_triton", CONFIG, 50.0),
+    ])
+    _break_params(table, 64)
+    shown = _show_reasons(table, H200)
+    report = formats_vllm.export_vllm(table, tmp_path / "cfg")
+    assert report.written == 1
+    [path] = report.outputs
+    assert list(json.loads(path.read_text())) == ["triton_version", "1"]
+    assert report.skipped[shown["8"]] == 2 and shown["8"] == shown["16"] == "unknown kernel 'foo'"
+    assert report.skipped[shown["32"]] == 1
+    assert shown["32"] == "invalid params: aiter_triton: BLOCK_SIZE_M=7 not in " \
+                          "[16, 32, 64, 128, 256, 8]"
+    [unreadable] = [k for k in shown if k not in ("1", "8", "16", "32")]
+    [reason] = [k for k in report.skipped if k.startswith("params are not a JSON object")]
+    assert shown[unreadable].endswith(reason)  # show prefixes the row's id and bucket
+    assert sum(report.skipped.values()) == 4
+    assert not any("not a Triton fused-MoE config" in k for k in report.skipped)
+
+
+def test_aiter_export_skips_invalid_rows_with_the_reason_show_gives(tmp_path):
+    problem = with_tokens(12, hidden_size=4096, intermediate_size=512, num_experts=64, topk=8)
+    table = write_table(tmp_path / "t.db", [
+        (MI300X, problem, "aiter_fused_moe", {"block_size_M": 64}, 40.0),
+        (MI300X, problem.with_tokens(16), "aiter_fused_moe", {"block_size_M": 7}, 41.0),
+        (MI300X, problem.with_tokens(13), "foo", {"block_size_M": 32}, 39.0),
+    ])
+    shown = _show_reasons(table, MI300X)
+    report = formats_aiter.export_aiter(table, tmp_path / "out.csv", _aiter_base(tmp_path))
+    [row] = formats_aiter.read_csv(tmp_path / "out.csv")
+    assert (row["block_m"], row["us"]) == ("64", "40.0") and report.written == 1
+    assert dict(report.skipped) == {"unknown kernel 'foo'": 1, shown["16"]: 1}
+    assert shown["13"] == "unknown kernel 'foo'"
+    assert shown["16"].startswith("invalid params: aiter_fused_moe: block_size_M=7 not in")
+
+
+def test_vllm_import_refuses_configs_outside_the_space_with_the_reason(tmp_path):
+    source = tmp_path / "E=8,N=14336,device_name=NVIDIA_H200.json"
+    source.write_text(json.dumps({"1": CONFIG, "2": {**CONFIG, "BLOCK_SIZE_M": 7}}))
+    hints = formats_vllm.shape_hints(hidden=4096, topk=2)
+    report = formats_vllm.import_vllm(source, tmp_path / "t.db", hints)
+    assert report.written == 1
+    assert dict(report.skipped) == {
+        "invalid params: aiter_triton: BLOCK_SIZE_M=7 not in [16, 32, 64, 128, 256, 8]": 1}
+    assert [r.bucket["num_tokens"] for r in db.read_winners(tmp_path / "t.db").rows] == [1]
+
+
+def test_an_import_with_no_valid_row_leaves_the_table_untouched(tmp_path, triton_table):
+    source = tmp_path / "E=8,N=14336,device_name=NVIDIA_H200.json"
+    source.write_text(json.dumps({"2": {**CONFIG, "num_warps": 3}}))
+    before = triton_table.read_bytes()
+    hints = formats_vllm.shape_hints(hidden=4096, topk=2)
+    with pytest.raises(MoetuneError, match="nothing to import(.|\n)*invalid params: "
+                                           "aiter_triton: num_warps=3"):
+        formats_vllm.import_vllm(source, triton_table, hints)
+    assert triton_table.read_bytes() == before
+
+
+def test_an_import_into_a_table_drops_its_invalid_rows_and_says_so(tmp_path):
+    table = write_table(tmp_path / "t.db", [
+        (H200, with_tokens(8, **MIXTRAL), "foo", CONFIG, 20.0),
+        (H200, with_tokens(16, **MIXTRAL), "torch_loop", {}, 20.0),
+    ])
+    source = tmp_path / "E=8,N=14336,device_name=NVIDIA_H200.json"
+    source.write_text(json.dumps({"1": CONFIG}))
+    report = formats_vllm.import_vllm(source, table, formats_vllm.shape_hints(hidden=4096,
+                                                                              topk=2))
+    rows = {r.bucket["num_tokens"]: r.kernel for r in db.read_winners(table).rows}
+    assert rows == {1: "aiter_triton", 16: "torch_loop"}
+    [dropped] = [n for n in report.notes if n.startswith("dropped")]
+    assert "num_tokens=8 " in dropped and dropped.endswith(f"from {table}: unknown kernel 'foo'")

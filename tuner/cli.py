@@ -241,14 +241,17 @@ def export_(table: Annotated[str, typer.Argument(help="Table file or database UR
             aiter_base: Annotated[Optional[Path], typer.Option(
                 help="aiter: the tuned_fmoe.csv active while tuning (default: aiter's own)")] = None,
             ) -> None:
-    """Write a table as a self-contained artifact, vLLM config files or aiter's CSV."""
+    """Write a table as a self-contained artifact, vLLM config files or aiter's CSV. Invalid
+    rows (unknown kernel, params outside its space or not JSON) are skipped with the reason."""
     if format is ExportFormat.vllm:
         out.print(formats_vllm.export_vllm(table, output, device_name).text(), highlight=False)
     elif format is ExportFormat.aiter:
         out.print(formats_aiter.export_aiter(table, output, aiter_base).text(), highlight=False)
     else:
-        db.export_sqlite(table, output, include_measurements=with_measurements)
-        out.print(f"exported {table} -> {output}")
+        copied = formats_io.merge_valid(table, None, output,
+                                        include_measurements=with_measurements)
+        typer.echo("\n".join([f"exported {copied.rows} rows of {table} -> {output}",
+                              *formats_io.merge_notes(copied)]))
 
 
 @app.command("import")
@@ -263,7 +266,8 @@ def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
     """Bring a moetune table, vLLM tuned-config JSON (file or folder) or aiter tuned_fmoe.csv
     into ``output`` (merged if it exists); the format is detected. vLLM file names lack the
     hidden size and topk: give --hidden and --topk, or --preset (--quant picks per-tensor or
-    per-channel for fp8_w8a8 files without a block shape)."""
+    per-channel for fp8_w8a8 files without a block shape). Rows that would be invalid in a
+    table are skipped with the reason; if none is valid, ``output`` is left untouched."""
     fmt = formats_io.detect(file)
     if fmt is formats_io.Format.VLLM:
         hints = formats_vllm.shape_hints(preset, hidden, topk, dtype, quant, activation,
@@ -273,19 +277,27 @@ def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
         out.print(formats_aiter.import_aiter(file, output).text(), highlight=False)
     else:
         if output.exists():
-            out.print(report.merge_text(db.merge_tables(output, file, output)), highlight=False)
+            merged = formats_io.merge_valid(output, file, output)
+            lines = [report.merge_text(merged)]
         else:
-            db.export_sqlite(file, output, include_measurements=True)
-        out.print(f"imported {file} -> {output}")
+            merged = formats_io.merge_valid(file, None, output)
+            lines = []
+        typer.echo("\n".join([*lines, *formats_io.merge_notes(merged),
+                              f"imported {file} -> {output}"]))
 
 
 @app.command()
 @_errors_to_exit
 def merge(a: Annotated[str, typer.Argument(help="Table file or database URL")],
           b: Annotated[str, typer.Argument(help="Table file or database URL")],
-          output: Annotated[Path, typer.Option("--output", "-o")]) -> None:
-    """Merge two tables; per bucket the faster (or, within noise, newer) winner stays."""
-    out.print(report.merge_text(db.merge_tables(a, b, output)), highlight=False)
+          output: Annotated[Path, typer.Option("--output", "-o")],
+          strict: Annotated[bool, typer.Option(
+              "--strict", help="Refuse to merge (nothing written, exit 1) if a row is "
+              "invalid, instead of dropping it")] = False) -> None:
+    """Merge two tables; per bucket the faster (or, within noise, newer) winner stays. Invalid
+    rows (unknown kernel, params outside its space or not JSON) are dropped, one line each."""
+    merged = formats_io.merge_valid(a, b, output, strict=strict)
+    typer.echo("\n".join([report.merge_text(merged), *formats_io.merge_notes(merged)]))
 
 
 @app.command("report")

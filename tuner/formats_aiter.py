@@ -22,7 +22,8 @@ that key (``base``, by default the installed aiter's), so the exported row keeps
 kernel names, ``ksplit`` and ``run_1stage``, sets ``block_m`` and ``us`` (moetune's median),
 and leaves the per-stage columns empty. Keys absent from ``base`` ran aiter's heuristic
 kernels, which a CSV row cannot express (an empty kernel name reads back as NaN), so they are
-skipped and counted.
+skipped and counted; so are invalid rows (unreadable, unknown kernel, params outside its
+space), with the reason ``show`` gives.
 """
 
 from __future__ import annotations
@@ -37,10 +38,11 @@ from typing import Any
 
 from moetune import db
 from moetune.errors import MoetuneError
+from moetune.runtime.dispatcher import row_problem
 from moetune.runtime.kernels.aiter_fused_moe import AiterFusedMoeKernel
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
-from moetune.tuner.formats_io import FormatReport, ImportedWinner, keep_fastest, write_winners
+from moetune.tuner.formats_io import FormatReport, ImportedWinner, stale_note, write_winners
 
 KEY_COLUMNS = ("cu_num", "token", "model_dim", "inter_dim", "expert", "topk", "act_type",
                "dtype", "q_dtype_a", "q_dtype_w", "q_type", "use_g1u1", "doweight_stage1")
@@ -112,11 +114,7 @@ def import_aiter(source: Path, output: Path) -> FormatReport:
             report.skip(winner)
         else:
             winners.append(winner)
-    winners = keep_fastest(winners, report)
-    if not winners:
-        raise MoetuneError(f"{source}: nothing to import\n{report.text()}")
-    merged = write_winners(winners, Path(output), str(source))
-    report.written = len(winners)
+    merged = write_winners(winners, Path(output), str(source), report)
     if merged is not None:
         report.notes.append(f"merged into the existing table ({len(merged.conflicts)} conflicts)")
     return report
@@ -166,6 +164,7 @@ class _Pick:
     num_tokens: int
     block_m: int
     median_us: float | None
+    row: db.WinnerRecord
 
 
 def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatReport:
@@ -186,7 +185,10 @@ def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatR
     base_rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in read_csv(base)}
     report = FormatReport("exported", outputs=[Path(output)])
     picks: dict[tuple[str, ...], _Pick] = {}
-    for row in db.read_winners(table).rows:
+    snapshot = db.read_winners(table)
+    for _, _, unreadable in snapshot.bad_winners:
+        report.skip(unreadable)
+    for row in snapshot.rows:
         pick = _pick(row, report)
         if pick is None:
             continue
@@ -196,7 +198,7 @@ def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatR
                         "two, 16 minimum, 1024 maximum); kept the one nearest the padded token")
             pick = min(old, pick, key=lambda p: (abs(int(p.key[1]) - p.num_tokens), -p.num_tokens))
         picks[pick.key] = pick
-    rows = []
+    rows, written = [], []
     for key, pick in sorted(picks.items(), key=lambda kv: [int(v) if v.isdigit() else v
                                                            for v in kv[0]]):
         known = base_rows.get(key)
@@ -207,14 +209,22 @@ def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatR
         us = "" if pick.median_us is None else repr(pick.median_us)
         rows.append({**known, "block_m": str(pick.block_m), "us": us,
                      "us1": "", "err1": "", "us2": "", "err2": "", "tflops": "", "bw": ""})
+        written.append(pick.row)
     _write_csv(Path(output), rows)
     report.written = len(rows)
     report.notes.append(f"kernel names, ksplit and run_1stage from {base}; us is moetune's "
                         "end-to-end median")
+    stale = stale_note(written)
+    if stale:
+        report.notes.append(stale)
     return report
 
 
 def _pick(row: db.WinnerRecord, report: FormatReport) -> _Pick | None:
+    invalid = row_problem(row)
+    if invalid is not None:
+        report.skip(invalid)
+        return None
     if row.kernel != KERNEL:
         report.skip(f"{row.kernel}: not configured by tuned_fmoe.csv")
         return None
@@ -225,11 +235,7 @@ def _pick(row: db.WinnerRecord, report: FormatReport) -> _Pick | None:
     if not row.params.get("block_size_M"):
         report.skip("block_size_M 0 (aiter's own choice): nothing to pin")
         return None
-    try:
-        p = MoEProblem.from_row(row.bucket)
-    except (MoetuneError, KeyError, TypeError) as e:
-        report.skip(f"bad bucket ({e})")
-        return None
+    p = MoEProblem.from_row(row.bucket)
     dtype = {DType.BFLOAT16: "torch.bfloat16", DType.FLOAT16: "torch.float16"}.get(p.dtype)
     if dtype is None:
         report.skip(f"dtype {p.dtype.value}: aiter runs bf16/fp16")
@@ -240,7 +246,7 @@ def _pick(row: db.WinnerRecord, report: FormatReport) -> _Pick | None:
     key = (str(cu), str(padded_tokens(p.num_tokens)), str(p.hidden_size),
            str(p.intermediate_size), str(p.num_experts), str(p.topk), act, dtype, weights,
            weights, q_type, str(int(p.gated)), str(int(p.router_weight_on_input)))
-    return _Pick(key, p.num_tokens, row.params["block_size_M"], row.median_us)
+    return _Pick(key, p.num_tokens, row.params["block_size_M"], row.median_us, row)
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:

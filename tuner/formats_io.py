@@ -1,5 +1,10 @@
-"""What the foreign formats share: telling a file's format, the report, and writing imported
-winners into a table.
+"""What the formats share: telling a file's format, the report, the row check, and writing
+imported winners into a table.
+
+Every row that goes into or out of a table passes the dispatcher's own check,
+``row_problem`` (known bucket and kernel, params in the kernel's declared space): an invalid
+row is skipped with that reason, the text ``show`` gives. Valid rows that serving would not
+use today (stale ones) are kept, and ``stale_note`` says how many.
 
 Imported winners are written like a tuning run's: one finished run per SKU (its ``command``
 names the source file) and one winner per bucket. No measurements are written, because the
@@ -18,10 +23,11 @@ import math
 import enum
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from moetune import db
 from moetune.errors import MoetuneError
+from moetune.runtime.dispatcher import row_problem, row_verdict
 from moetune.runtime.platform import SKU, Vendor, environment
 from moetune.runtime.problem import MoEProblem
 
@@ -102,6 +108,13 @@ class ImportedWinner:
     def key(self) -> tuple[tuple[str, str, str], MoEProblem]:
         return (self.sku.vendor.value, self.sku.name, self.sku.arch), self.problem
 
+    def record(self) -> db.WinnerRecord:
+        """The row as ``read_winners`` will read it back, for the row check."""
+        baseline = self.params if self.baseline_params is None else self.baseline_params
+        return db.WinnerRecord(self.sku.to_row(), self.problem.to_row(), self.kernel, self.params,
+                               self.median_us, self.median_us, self.median_us, None,
+                               self.kernel, baseline, None, None, 0, self.source)
+
 
 def keep_fastest(winners: list[ImportedWinner], report: FormatReport) -> list[ImportedWinner]:
     """One winner per (device, bucket): the fastest; the others are counted as duplicates."""
@@ -120,15 +133,32 @@ def _time(w: ImportedWinner) -> float:
 
 
 def write_winners(winners: list[ImportedWinner], output: Path, source: str,
-                  env_overrides: dict[str, Any] | None = None) -> db.MergeReport | None:
-    """Write ``winners`` to the table ``output`` (merged in when it exists).
+                  report: FormatReport, env_overrides: dict[str, Any] | None = None
+                  ) -> db.MergeReport | None:
+    """Write the valid ``winners`` to the table ``output`` (merged in when it exists).
+
+    Winners the row check refuses are skipped with its reason, then one per (device, bucket)
+    is kept (``keep_fastest``); ``report`` counts both and the rows written. Invalid rows of
+    an existing ``output`` are dropped by the merge and noted.
 
     Raises:
+        MoetuneError: no winner is left to write (``output`` is left untouched).
         TableError: ``output`` is not a table or cannot be written.
     """
+    valid = []
+    for w in winners:
+        invalid = row_problem(w.record())
+        if invalid is None:
+            valid.append(w)
+        else:
+            report.skip(invalid)
+    winners = keep_fastest(valid, report)
+    if not winners:
+        raise MoetuneError(f"{source}: nothing to import\n{report.text()}")
     output = Path(output)
     env = {**environment(), **(env_overrides or {})}
     command = f"moetune import {source}"
+    report.written = len(winners)
     if not output.exists():
         _write(winners, output, env, command)
         return None
@@ -137,7 +167,45 @@ def write_winners(winners: list[ImportedWinner], output: Path, source: str,
     with tempfile.TemporaryDirectory(dir=output.absolute().parent, prefix=".import.") as tmp:
         part = Path(tmp) / "imported.db"
         _write(winners, part, env, command)
-        return db.merge_tables(output, part, output)
+        merged = merge_valid(output, part, output)
+    report.notes += [f"dropped {d}" for d in merged.dropped]
+    return merged
+
+
+def merge_valid(a: str | Path, b: str | Path | None, out: str | Path, *,
+                include_measurements: bool = True, strict: bool = False) -> db.MergeReport:
+    """``db.merge_tables`` with the dispatcher's row check: invalid winners are dropped (or,
+    ``strict``, refused) with its reason. ``b`` None copies ``a`` alone (export, import).
+
+    Raises:
+        TableError: see ``db.merge_tables``.
+    """
+    return db.merge_tables(a, b, out, check=row_problem,
+                           include_measurements=include_measurements, strict=strict)
+
+
+def merge_notes(merged: db.MergeReport) -> list[str]:
+    """One line per winner ``merged`` dropped, naming its bucket, table and reason; and how
+    many of the rows it wrote are stale here (``stale_note``)."""
+    lines = [f"dropped {d}" for d in merged.dropped]
+    stale = stale_note(db.read_winners(merged.output).rows)
+    return lines + ([f"note: {stale}"] if stale else [])
+
+
+def stale_note(rows: Iterable[db.WinnerRecord]) -> str | None:
+    """How many of ``rows`` are stale on their SKU by today's rule as this machine sees it
+    (kept: serving runs the rule's pick for them until re-tuned), or None if none are."""
+    stale = 0
+    for r in rows:
+        try:
+            sku = SKU.from_row(r.sku)
+        except ValueError:  # a vendor this moetune does not know: nothing to judge it by
+            continue
+        stale += row_verdict(r, sku).stale
+    if not stale:
+        return None
+    return (f"stale rows kept: {stale} (not timed against today's rule for their SKU, as this "
+            "machine sees it: serving runs the rule's pick for them until they are re-tuned)")
 
 
 def _reuse_sku(w: ImportedWinner, existing: dict[tuple[str, str, str], dict[str, Any]]

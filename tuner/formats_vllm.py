@@ -8,7 +8,9 @@ intermediate size per partition (``w2.shape[2]``), ``d`` is ``fp8_w8a8`` for eve
 
 Export writes the winners of Triton kernels: ``aiter_triton`` is vLLM's kernel and config
 exactly; kernels tuned per GEMM (``g1_``/``g2_`` parameters) export GEMM1's config, which vLLM
-then runs for both GEMMs (the report counts them). Other winners are skipped and counted.
+then runs for both GEMMs (the report counts them). Other winners are skipped and counted, and
+invalid rows (unreadable, unknown kernel, params outside its space) with the reason ``show``
+gives.
 
 Import: the name gives E, N, the device and the fp8 family; hidden size and topk it lacks come
 from ``ShapeHints`` (``--hidden``/``--topk`` or ``--preset``), as do the choices the name leaves
@@ -28,14 +30,14 @@ from pathlib import Path
 from typing import Any
 
 from moetune import db
-from moetune.errors import InvalidParamsError, InvalidProblemError, MoetuneError
+from moetune.errors import InvalidProblemError, MoetuneError
+from moetune.runtime.dispatcher import row_problem
 from moetune.runtime.kernels.triton_config import SPACE, config_of
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme, Shape, parse_enum
-from moetune.runtime.registry import default_registry
 from moetune.runtime.vllm_configs import (
     FILE_NAME, config_file_name, device_key, selectors, vllm_device_name)
-from moetune.tuner.formats_io import FormatReport, ImportedWinner, keep_fastest, write_winners
+from moetune.tuner.formats_io import FormatReport, ImportedWinner, stale_note, write_winners
 from moetune.tuner.presets import preset
 
 KERNEL = "aiter_triton"
@@ -112,9 +114,17 @@ def export_vllm(table: Path, folder: Path, device_name: str | None = None) -> Fo
     snapshot = db.read_winners(table)
     device_name = device_name and re.sub(r"[\s/]+", "_", device_name.strip())
     report = FormatReport("exported")
-    files: dict[str, dict[Shape, dict[int, tuple[dict[str, int], str | None]]]] = {}
+    # file name -> shape -> num_tokens -> (config, the per-GEMM kernel if split, row)
+    files: dict[str, dict[Shape, dict[int, tuple[dict[str, int], str | None,
+                                                  db.WinnerRecord]]]] = {}
     guessed: set[str] = set()
+    for _, _, unreadable in snapshot.bad_winners:
+        report.skip(unreadable)
     for row in snapshot.rows:
+        invalid = row_problem(row)
+        if invalid is not None:
+            report.skip(invalid)
+            continue
         config, split = _triton_config(row.params)
         if config is None:
             report.skip(f"{row.kernel}: not a Triton fused-MoE config")
@@ -122,11 +132,7 @@ def export_vllm(table: Path, folder: Path, device_name: str | None = None) -> Fo
         if row.sku["vendor"] not in ("nvidia", "amd"):
             report.skip(f"{row.sku['vendor']} SKU: vLLM reads these files on GPUs only")
             continue
-        try:
-            problem = MoEProblem.from_row(row.bucket)
-        except (MoetuneError, KeyError, TypeError) as e:
-            report.skip(f"bad bucket ({e})")
-            continue
+        problem = MoEProblem.from_row(row.bucket)
         dev, guess = (device_name, False) if device_name else vllm_device_name(
             row.sku["vendor"], row.sku["name"])
         if guess:
@@ -134,9 +140,10 @@ def export_vllm(table: Path, folder: Path, device_name: str | None = None) -> Fo
         name = config_file_name(problem.num_experts, problem.intermediate_size, dev,
                                 *selectors(problem))
         shapes = files.setdefault(name, {})
-        shapes.setdefault(problem.shape, {})[problem.num_tokens] = (config, row.kernel if split
-                                                                     else None)
+        shapes.setdefault(problem.shape, {})[problem.num_tokens] = (
+            config, row.kernel if split else None, row)
     split_kernels: collections.Counter[str] = collections.Counter()
+    written: list[db.WinnerRecord] = []
     for name, shapes in sorted(files.items()):
         shape, entries = max(shapes.items(), key=lambda kv: len(kv[1]))
         for other, rows in shapes.items():
@@ -147,7 +154,8 @@ def export_vllm(table: Path, folder: Path, device_name: str | None = None) -> Fo
         content.update({str(m): entries[m][0] for m in sorted(entries)})
         report.outputs.append(_write_json(Path(folder), name, content))
         report.written += len(entries)
-        split_kernels.update(k for _, k in entries.values() if k)
+        written += [row for _, _, row in entries.values()]
+        split_kernels.update(k for _, k, _ in entries.values() if k)
     if split_kernels:
         report.notes.append(
             f"{sum(split_kernels.values())} winners of per-GEMM kernels "
@@ -155,6 +163,9 @@ def export_vllm(table: Path, folder: Path, device_name: str | None = None) -> Fo
             "one config for both GEMMs")
     report.notes += [f"device name {d} derived from the SKU name; check it against vLLM's "
                      "(or pass --device-name)" for d in sorted(guessed)]
+    stale = stale_note(written)
+    if stale:
+        report.notes.append(stale)
     return report
 
 
@@ -196,15 +207,11 @@ def import_vllm(source: Path, output: Path, hints: ShapeHints) -> FormatReport:
     versions: collections.Counter[str] = collections.Counter()
     for path in paths:
         winners += _read_file(path, hints, report, versions)
-    winners = keep_fastest(winners, report)
-    if not winners:
-        raise MoetuneError(f"{source}: nothing to import\n{report.text()}")
     overrides = {"triton": versions.most_common(1)[0][0]} if versions else {}
     if len(versions) > 1:
         report.notes.append(f"files name several Triton versions {sorted(versions)}; the "
                             f"table records {overrides['triton']}")
-    merged = write_winners(winners, Path(output), str(source), overrides)
-    report.written = len(winners)
+    merged = write_winners(winners, Path(output), str(source), report, overrides)
     report.notes.append("vLLM files carry no times: winners stored without one (any measured "
                         "winner replaces them in a merge)")
     if merged is not None:
@@ -236,16 +243,11 @@ def _read_file(path: Path, hints: ShapeHints, report: FormatReport,
         return []
     if version:
         versions[version] += 1
-    kernel = default_registry.get(KERNEL)
     winners: list[ImportedWinner] = []
     dropped: collections.Counter[str] = collections.Counter()
     for key, config in configs.items():
         dropped.update(set(config) - set(SPACE))
-        try:
-            params = kernel.validate({n: config[n] for n in SPACE})
-        except InvalidParamsError as e:
-            report.skip(f"config outside {KERNEL}'s space ({e})")
-            continue
+        params = {n: config[n] for n in SPACE}  # checked with every row in ``write_winners``
         try:
             problem = MoEProblem(int(key), hints.hidden_size, int(m["N"]), int(m["E"]), hints.topk,
                                  dtype, quant, hints.activation, True,
