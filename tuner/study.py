@@ -1,5 +1,6 @@
 """One bucket's search: an Optuna study over (kernel, that kernel's parameters), then a
-confirmation round that re-times the best few interleaved and decides the winner."""
+confirmation that re-times the best few interleaved with the rule's pick and publishes a winner
+only when the confidence interval of its speedup lies above a margin."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from moetune.runtime.problem import MoEProblem
 from moetune.runtime.rules import RuleChoice, rule_variants
 from moetune.tuner.measure import CandidateMeasurer, Result, Status
 from moetune.tuner.precompile import CompilePool
-from moetune.tuner.timing import Timing
+from moetune.tuner.timing import RatioInterval, Timing, ratio_interval
 
 Key = tuple[str, str]
 
@@ -24,14 +25,26 @@ Key = tuple[str, str]
 _MAX_ASKS_PER_TRIAL = 20
 # A candidate this many times slower than the best so far is timed only roughly.
 CUTOFF_FACTOR = 1.5
+#: A winner is faster than the rule's pick by at least this fraction, at the lower bound of its
+#: speedup's interval; a closer call keeps the rule's pick (what serving runs without a row).
+MARGIN = 0.01
+#: Each bound of a ratio interval is wrong with this probability (``ratio_interval``).
+ALPHA = 1e-4
+#: Confirmation stops early, keeping the rule's pick, once an interval this loose lies below
+#: ``1 + MARGIN`` (keeping the rule needs no strong evidence).
+FUTILE_ALPHA = 0.2
+#: A re-timing this many times its kernel's fastest round is disturbed (another process on the
+#: core, a busy host) and left out with its round; ordinary jitter stays far below.
+DISTURBED = 1.3
 
 
 @dataclasses.dataclass(frozen=True)
 class Baseline:
     """One rule variant timed beside the winner: its pooled timing and the winner's speedup
-    over it, taken round by round (``ratio_lo``/``ratio_hi``: the lowest and highest round but
-    one, so one disturbed round moves neither). ``beaten``: the winner is faster in every
-    round but at most one, and in the median."""
+    over it, taken round by round over ``rounds`` rounds clean for both (``disturbed`` more were
+    left out): ``ratio_lo``-``ratio_hi`` is its confidence interval (``ratio_interval`` at
+    ``ALPHA``; 0.0 for both with fewer than 2 rounds). ``beaten``: ``ratio_lo`` is above
+    ``1 + MARGIN``."""
 
     kernel: str
     params: dict[str, Any]
@@ -40,25 +53,30 @@ class Baseline:
     ratio_lo: float
     ratio_hi: float
     beaten: bool
+    disturbed: int = 0
 
     def to_row(self) -> dict[str, Any]:
         """The form a winner row stores (``WinnerRecord.baselines``)."""
         return {"kernel": self.kernel, "params": self.params, "median_us": self.timing.median_us,
                 "p20_us": self.timing.p20_us, "p80_us": self.timing.p80_us,
                 "rounds": self.rounds, "ratio_lo": self.ratio_lo, "ratio_hi": self.ratio_hi,
-                "beaten": self.beaten}
+                "beaten": self.beaten, "disturbed": self.disturbed}
 
 
 @dataclasses.dataclass(frozen=True)
 class Decision:
     """A bucket's outcome: the winner and every rule variant as timed side by side in
-    confirmation (``baselines[0]`` is the rule where the bucket was tuned)."""
+    confirmation (``baselines[0]`` is the rule where the bucket was tuned). Confirmation took
+    ``rounds`` rounds (deciding) and ``retimes`` re-timings of its ``finalists`` in all."""
 
     winner: Result
     winner_timing: Timing
     baselines: tuple[Baseline, ...]
     reason: str
     results: tuple[Result, ...]
+    rounds: int = 0
+    retimes: int = 0
+    finalists: int = 0
 
     @property
     def baseline(self) -> Baseline:
@@ -187,18 +205,28 @@ def _tell(study: optuna.Study, trial: optuna.Trial, result: Result) -> None:
 
 
 def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results: dict[Key, Result], *,
-            top: int = 3, rounds: int = 5, reps: int = 10) -> Decision:
+            top: int = 3, rounds: int = 5, reps: int = 10,
+            max_rounds: int | None = None) -> Decision:
     """Re-time the rule variants and the best ``top`` candidates interleaved, and decide.
 
-    Each round times every finalist once, so the winner's speedup over a baseline is taken
-    within a round (a slow phase of the machine slows both). The fastest finalist wins only if
-    it beats the rule's pick (``rule_variants(...)[0]``) in every round but at most one and in
-    the median ratio; otherwise the rule's pick is kept: a near-tie is noise, and the rule
-    needs no table row to be right. Every variant is recorded with the winner's ratios over it.
+    Each round re-times its finalists once, in alternating order, so a speedup is taken within
+    a round: a slow phase of the machine slows both sides. A re-timing more than ``DISTURBED``
+    times its kernel's fastest is left out, with its round, of that kernel's comparisons. With
+    several candidates, ``rounds`` rounds of every finalist choose the contender (the best mean
+    ratio over the rule's pick, ``rule_variants(...)[0]``); the decision is on fresh rounds of
+    the contender and the variants, so the luck that made it look best does not count twice.
+    The contender wins only if the confidence interval of its speedup (``ratio_interval`` at
+    ``ALPHA``) lies above ``1 + MARGIN``, looked at each time ``rounds`` more rounds are clean.
+    Rounds are added until it does, or until even a loose interval (``FUTILE_ALPHA``) lies
+    below (or a strict one from every round, disturbed ones too: a far slower contender on a
+    busy host), or ``max_rounds`` deciding rounds (default ``4 * rounds``) have been timed; then
+    the rule's pick is kept: a near-tie is noise, and the rule needs no table row to be right.
+    Every variant is recorded with the winner's ratio interval over it.
 
     Raises:
         TuningError: the rule's pick failed or was wrong (nothing trustworthy to compare to).
     """
+    max_rounds = 4 * rounds if max_rounds is None else max(max_rounds, rounds)
     variants = rule_variants(problem, sku)
     keys = [(v.kernel, params_key(v.params)) for v in variants]
     bases = [results[keys[0]]] + [results[k] for k in keys[1:] if k in results]
@@ -208,50 +236,84 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     bases = [b for b in bases if b.status is Status.OK]  # a variant that fails here is no rule
     ok = sorted((r for r in results.values() if r.status is Status.OK), key=lambda r: r.median_us)
     finalists = bases + [r for r in ok[:top] if all(r is not b for b in bases)]
-    samples: list[list[Timing]] = [[] for _ in finalists]
-    for _ in range(rounds):
-        for i, r in enumerate(finalists):
-            samples[i].append(measurer.retime(r.kernel, r.params, reps))
-    timings = [_pooled(s) for s in samples]
-    best = min(range(len(finalists)), key=lambda i: timings[i].median_us)
-    if best != 0 and not _beats(samples[best], samples[0]):
-        reason = (f"near-tie: {finalists[best].kernel} {timings[best].median_us:.1f}us does not "
-                  f"beat the rule's pick ({timings[0].median_us:.1f}us) in enough rounds")
-        best = 0
+    contender = 1 if len(finalists) > 1 else 0  # 0: nothing but the rule's pick to time
+    screened = 0
+    if len(finalists) > 2:
+        screen = _rounds(measurer, finalists, list(range(len(finalists))), rounds, reps)
+        contender = max(range(1, len(finalists)),
+                        key=lambda i: _interval(screen[i], screen[0], ALPHA).ratio)
+        screened = rounds * len(finalists)
+    who = list(range(len(bases))) + ([contender] if contender >= len(bases) else [])
+    log, look = _rounds(measurer, finalists, who, rounds, reps), rounds
+    while contender and len(log[0]) < max_rounds:
+        if (_interval(log[contender], log[0], FUTILE_ALPHA).below(1 + MARGIN)
+                or _interval(log[contender], log[0], ALPHA, clean=False).below(1 + MARGIN)):
+            break  # not faster: at a loose confidence, or surely, even with disturbed rounds
+        verdict = _interval(log[contender], log[0], ALPHA)
+        if verdict.rounds >= look:
+            if verdict.above(1 + MARGIN):
+                break
+            look += rounds
+        _rounds(measurer, finalists, who, 1, reps, log)
+    verdict = _interval(log[contender], log[0], ALPHA)
+    best = contender if verdict.above(1 + MARGIN) else 0
+    hi = f"{verdict.hi:.3f}" if verdict.hi < 1e3 else f"{verdict.hi:.2g}"  # few rounds: huge
+    evidence = f"({verdict.lo:.3f}-{hi}, {verdict.rounds} rounds)"
+    if best:
+        reason = f"{verdict.ratio:.2f}x over baseline {evidence}"
+    elif contender:
+        reason = (f"{'near-tie' if verdict.ratio > 1 else 'not faster'}: "
+                  f"{finalists[contender].kernel} {verdict.ratio:.3f}x {evidence}")
     else:
-        reason = "baseline kept" if best == 0 else (
-            f"{timings[0].median_us / timings[best].median_us:.2f}x over baseline")
-    baselines = tuple(_baseline(b, samples[i], timings[i], samples[best])
-                      for i, b in enumerate(bases))
-    return Decision(finalists[best], timings[best], baselines, reason, tuple(results.values()))
+        reason = "baseline kept"
+    baselines = tuple(_baseline(b, log[i], log[best], i == best) for i, b in enumerate(bases))
+    return Decision(finalists[best], _pooled(log[best]), baselines, reason,
+                    tuple(results.values()), len(log[0]), screened + sum(map(len, log)),
+                    len(finalists))
 
 
-def _ratios(winner: list[Timing], baseline: list[Timing]) -> list[float]:
-    """The winner's speedup over the baseline in each round, ascending."""
-    return sorted(b.median_us / w.median_us for w, b in zip(winner, baseline))
+def _rounds(measurer: CandidateMeasurer, finalists: list[Result], who: list[int], n: int,
+            reps: int, log: list[dict[int, Timing]] | None = None) -> list[dict[int, Timing]]:
+    """``n`` more rounds, each re-timing the finalists ``who`` once, in alternating order (a
+    machine drifting within a round favours neither side); ``log``: per finalist, round ->
+    timing, extended in place."""
+    log = log or [{} for _ in finalists]
+    for _ in range(n):
+        r = max(len(t) for t in log)
+        for i in who if r % 2 == 0 else who[::-1]:
+            log[i][r] = measurer.retime(finalists[i].kernel, finalists[i].params, reps)
+    return log
 
 
-def _beats(winner: list[Timing], baseline: list[Timing]) -> bool:
-    """Faster in every round but at most one, and in the median round."""
-    ratios = _ratios(winner, baseline)
-    trimmed = ratios[1] if len(ratios) > 2 else ratios[0]
-    return trimmed > 1.0 and statistics.median(ratios) > 1.0
+def _clean(timings: dict[int, Timing]) -> dict[int, float]:
+    """A kernel's medians by round, without the rounds disturbed (``DISTURBED`` times its
+    fastest: noise only ever adds time, so the fastest round is the reference)."""
+    fastest = min(t.median_us for t in timings.values())
+    return {r: t.median_us for r, t in timings.items() if t.median_us <= DISTURBED * fastest}
 
 
-def _baseline(result: Result, rounds: list[Timing], timing: Timing,
-              winner: list[Timing]) -> Baseline:
-    ratios = _ratios(winner, rounds)
-    trim = 1 if len(ratios) > 2 else 0
-    return Baseline(result.kernel, result.params, timing, len(rounds), ratios[trim],
-                    ratios[-1 - trim], rounds is not winner and _beats(winner, rounds))
+def _interval(winner: dict[int, Timing], baseline: dict[int, Timing], alpha: float,
+              clean: bool = True) -> RatioInterval:
+    """The winner's speedup over the baseline from the rounds clean for both (``clean``), or
+    from every round both were timed in."""
+    w, b = (_clean(winner), _clean(baseline)) if clean else (
+        {r: t.median_us for r, t in winner.items()}, {r: t.median_us for r, t in baseline.items()})
+    return ratio_interval([b[r] / w[r] for r in sorted(w.keys() & b.keys())], alpha)
 
 
-def _pooled(rounds: list[Timing]) -> Timing:
-    """Median of the rounds' medians, with the rounds' typical p20/p80 offsets around it: one
+def _baseline(result: Result, rounds: dict[int, Timing], winner: dict[int, Timing],
+              same: bool) -> Baseline:
+    v = _interval(winner, rounds, ALPHA)
+    return Baseline(result.kernel, result.params, _pooled(rounds), v.rounds, v.lo, v.hi,
+                    not same and v.above(1 + MARGIN), len(winner.keys() & rounds.keys()) - v.rounds)
+
+
+def _pooled(rounds: dict[int, Timing]) -> Timing:
+    """Median of the clean rounds' medians, with their typical p20/p80 offsets around it: a
     disturbed round (another process, a clock change) moves neither."""
-    median = statistics.median(t.median_us for t in rounds)
-    below = statistics.median(t.median_us - t.p20_us for t in rounds)
-    above = statistics.median(t.p80_us - t.median_us for t in rounds)
-    return Timing(median, median - below, median + above, sum(t.samples for t in rounds),
+    clean = [rounds[r] for r in _clean(rounds)]
+    median = statistics.median(t.median_us for t in clean)
+    below = statistics.median(t.median_us - t.p20_us for t in clean)
+    above = statistics.median(t.p80_us - t.median_us for t in clean)
+    return Timing(median, median - below, median + above, sum(t.samples for t in clean),
                   "confirm")
-

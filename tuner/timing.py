@@ -1,4 +1,5 @@
-"""Timing harness: warm-up, repetitions, median and spread, inputs rotated so caches stay cold.
+"""Timing harness: warm-up, repetitions, median and spread, inputs rotated so caches stay cold;
+and the confidence interval of a speedup measured round by round.
 
 CPU uses the wall clock around each call. CUDA replays a CUDA graph of several calls (one
 launch overhead spread over them, as in serving with graphs) timed by events; an op that cannot
@@ -8,6 +9,7 @@ be captured falls back to events around eager calls.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from typing import Callable, Sequence
@@ -34,6 +36,58 @@ def summarize(samples_us: Sequence[float], method: str) -> Timing:
     q = statistics.quantiles(samples_us, n=10, method="inclusive") if len(samples_us) > 1 else [
         samples_us[0]] * 9
     return Timing(statistics.median(samples_us), q[1], q[7], len(samples_us), method)
+
+
+#: Student's t quantiles exceeded with probability ``alpha`` (one-sided), for 1 to 30 degrees of
+#: freedom (computed with mpmath); more degrees use the value for 30, a little wider than exact.
+_T_QUANTILES: dict[float, tuple[float, ...]] = {
+    1e-4: (3183.099, 70.7, 22.204, 13.034, 9.678, 8.025, 7.063, 6.442, 6.01, 5.694, 5.453, 5.263,
+           5.111, 4.985, 4.88, 4.791, 4.714, 4.648, 4.59, 4.539, 4.493, 4.452, 4.415, 4.382,
+           4.352, 4.324, 4.299, 4.275, 4.254, 4.234),
+    0.2: (1.376, 1.061, 0.978, 0.941, 0.92, 0.906, 0.896, 0.889, 0.883, 0.879, 0.876, 0.873,
+          0.87, 0.868, 0.866, 0.865, 0.863, 0.862, 0.861, 0.86, 0.859, 0.858, 0.858, 0.857,
+          0.856, 0.856, 0.855, 0.855, 0.854, 0.854),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class RatioInterval:
+    """One kernel's speedup over another from rounds timed side by side: the geometric mean of
+    the rounds' ratios and its confidence interval ``lo``-``hi``. With fewer than 2 rounds there
+    is no interval: both bounds are 0.0."""
+
+    ratio: float
+    lo: float
+    hi: float
+    rounds: int
+
+    def above(self, threshold: float) -> bool:
+        """The whole interval lies above ``threshold``."""
+        return self.rounds >= 2 and self.lo > threshold
+
+    def below(self, threshold: float) -> bool:
+        """The whole interval lies below ``threshold``."""
+        return self.rounds >= 2 and self.hi < threshold
+
+
+def ratio_interval(ratios: Sequence[float], alpha: float) -> RatioInterval:
+    """Student's t interval of the mean log ratio, each bound wrong with probability ``alpha``
+    when the rounds' log ratios are independent and normal (rounds disturbed far beyond that are
+    left out by the caller). The rounds' own spread sets the width, so a noisy machine needs a
+    larger speedup, or more rounds, to show one.
+
+    Raises:
+        KeyError: ``alpha`` is not one of the tabulated levels (``_T_QUANTILES``).
+    """
+    table = _T_QUANTILES[alpha]
+    logs = [math.log(r) for r in ratios]
+    n = len(logs)
+    if n < 2:
+        return RatioInterval(ratios[0] if ratios else 1.0, 0.0, 0.0, n)
+    mean = statistics.fmean(logs)
+    half = table[min(n - 1, len(table)) - 1] * statistics.stdev(logs) / math.sqrt(n)
+    hi = math.exp(min(mean + half, 700.0))  # a few wild rounds: a huge bound, not an overflow
+    return RatioInterval(math.exp(mean), math.exp(mean - half), hi, n)
 
 
 #: Repetitions timed before a ``cutoff_us`` is checked.

@@ -1,0 +1,237 @@
+"""Confirmation under injected noise: a winner is published only when it is truly faster.
+
+Seeded fake timers inject each kind of noise (3% jitter, the rule's pick 10-50x slower in some
+rounds, a host busy loop that comes and goes, a drifting machine); one test runs real kernels
+beside a real busy loop.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+
+import pytest
+
+from moetune.runtime.kernels.base import BaseKernel, params_key
+from moetune.runtime.registry import KERNEL_PATHS, Registry
+from moetune.runtime.rules import rule_choice
+from moetune.tuner.measure import Measurer, Result, Status
+from moetune.tuner.study import MARGIN, confirm
+from moetune.tuner.timing import Timing, ratio_interval
+
+NOISE = ("jitter", "spikes", "busy", "drift")
+
+
+class FakeTimer:
+    """Re-timings of kernels of known true speed under one kind of noise, from a seeded RNG."""
+
+    def __init__(self, true_us: dict[str, float], rule: str, noise: str, seed: int,
+                 jitter: float = 0.03):
+        self.true_us, self.rule, self.noise, self.jitter = true_us, rule, noise, jitter
+        self.rng = random.Random(seed)
+        self.calls, self.busy = 0, 1.0
+        self.period, self.phase = self.rng.uniform(10, 40), self.rng.uniform(0, 2 * math.pi)
+        self.step_at = self.rng.randrange(60)
+
+    def retime(self, kernel: str, params: dict, reps: int) -> Timing:
+        rng = self.rng
+        t = self.true_us[kernel] * rng.lognormvariate(0, self.jitter)
+        if self.noise == "spikes" and kernel == self.rule and rng.random() < 0.2:
+            t *= rng.uniform(10, 50)  # another process on the core, always against the rule
+        if self.noise == "busy":  # comes and goes, hitting whatever is timed meanwhile
+            if self.busy == 1.0 and rng.random() < 0.15:
+                self.busy = rng.uniform(1.1, 3.0)
+            elif self.busy != 1.0 and rng.random() < 0.35:
+                self.busy = 1.0
+            t *= self.busy
+        if self.noise == "drift":  # a clock cycle, and a step up at some moment
+            t *= 1 + 0.1 * math.sin(2 * math.pi * self.calls / self.period + self.phase)
+            t *= 1.15 if self.calls >= self.step_at else 1.0
+        self.calls += 1
+        return Timing(t, t * 0.97, t * 1.03, reps, "fake")
+
+
+def _results(rule: str, candidates: list[str]) -> dict:
+    """The search's results: the candidates' (lucky) search timings rank them first."""
+    results = {(rule, "{}"): Result(rule, {}, Status.OK, Timing(100, 97, 103, 1, "x"))}
+    for i, name in enumerate(candidates):
+        results[(name, "{}")] = Result(name, {}, Status.OK, Timing(1 + i, 1, 1, 1, "x"))
+    return results
+
+
+def _confirm(problem, sku, noise: str, speed: float, seed: int, *, candidates: int = 1,
+             jitter: float = 0.03):
+    rule = rule_choice(problem, sku).kernel
+    names = [f"candidate{i}" for i in range(candidates)]
+    timer = FakeTimer({rule: 100.0, **{n: 100.0 / speed for n in names}}, rule, noise, seed,
+                      jitter)
+    return rule, confirm(problem, sku, timer, _results(rule, names))
+
+
+@pytest.mark.parametrize("noise", NOISE)
+@pytest.mark.parametrize("slower", [0.0, 0.01, 0.02, 0.03])
+@pytest.mark.parametrize("candidates", [1, 3])
+def test_noise_never_publishes_a_candidate_that_is_not_faster(small_problem, cpu_sku, noise,
+                                                             slower, candidates):
+    """Candidates truly as fast as the rule's pick, or 1-3% slower: the rule is always kept,
+    and no variant is recorded as beaten, within the bound on rounds."""
+    for seed in range(150):
+        rule, decision = _confirm(small_problem, cpu_sku, noise, 1 - slower, seed,
+                                  candidates=candidates)
+        assert decision.winner.kernel == rule, (seed, decision.reason)
+        assert not any(b.beaten for b in decision.baselines)
+        assert decision.rounds <= 20
+        assert decision.retimes <= (5 * (candidates + 1) if candidates > 1 else 0) + 20 * 2
+
+
+@pytest.mark.parametrize(("noise", "speed", "jitter", "share"), [
+    ("jitter", 1.02, 0.002, 1.0),  # a quiet machine (the H200): 2% is enough
+    ("jitter", 1.05, 0.002, 1.0),
+    ("jitter", 1.10, 0.03, 0.95),
+    ("spikes", 1.10, 0.03, 0.9),
+    ("busy", 1.10, 0.03, 0.5),  # the hardest: a third of the re-timings slowed 1.1-3x
+    ("drift", 1.10, 0.03, 0.8),
+])
+def test_a_truly_faster_candidate_still_wins(small_problem, cpu_sku, noise, speed, jitter, share):
+    decisions = [_confirm(small_problem, cpu_sku, noise, speed, seed, jitter=jitter)[1]
+                 for seed in range(100)]
+    wins = [d for d in decisions if d.winner.kernel == "candidate0"]
+    assert len(wins) >= share * len(decisions)
+    assert all(d.baseline.beaten and d.baseline.ratio_lo > 1 + MARGIN for d in wins)
+    if jitter < 0.01:  # decided at the first look; 2% (twice the margin) may take more
+        assert max(d.rounds for d in decisions) == (5 if speed > 1.02 else 15)
+
+
+class Script:
+    """Re-timings from a script per kernel (medians, cycled), counted."""
+
+    def __init__(self, medians: dict[str, list[float]]):
+        self.medians, self.calls = medians, {k: 0 for k in medians}
+
+    def retime(self, kernel: str, params: dict, reps: int) -> Timing:
+        t = self.medians[kernel][self.calls[kernel] % len(self.medians[kernel])]
+        self.calls[kernel] += 1
+        return Timing(t, t, t, reps, "scripted")
+
+
+def test_a_disturbed_round_is_left_out_timed_again_and_recorded(small_problem, cpu_sku):
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    script = Script({rule: [100.0, 100.0, 4000.0, 100.0, 100.0, 100.0], "fast": [50.0]})
+    decision = confirm(small_problem, cpu_sku, script, _results(rule, ["fast"]))
+    assert decision.winner.kernel == "fast" and decision.rounds == 6 and decision.retimes == 12
+    row = decision.baseline.to_row()
+    assert row["rounds"] == 5 and row["disturbed"] == 1 and row["beaten"]
+    assert row["ratio_lo"] == pytest.approx(2.0) and row["ratio_hi"] == pytest.approx(2.0)
+    assert row["median_us"] == 100.0  # the disturbed round moves no recorded time either
+
+
+@pytest.mark.parametrize(("faster", "wins"), [(0.005, False), (0.02, True)])
+def test_a_speedup_below_the_margin_keeps_the_rule_however_steady(small_problem, cpu_sku,
+                                                                  faster, wins):
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    script = Script({rule: [100.0], "steady": [100.0 / (1 + faster)]})
+    decision = confirm(small_problem, cpu_sku, script, _results(rule, ["steady"]))
+    assert (decision.winner.kernel == "steady") is wins and decision.rounds == 5
+    assert decision.baseline.beaten is wins
+
+
+def test_rounds_that_disagree_are_timed_again_up_to_the_bound(small_problem, cpu_sku):
+    """A candidate about 5% faster on average, but rounds far apart: more rounds, at most 20,
+    and without a tight interval the rule's pick is kept."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    script = Script({rule: [100.0, 86.0, 108.0, 92.0, 104.0, 97.0, 110.0], "wobbly": [95.0]})
+    decision = confirm(small_problem, cpu_sku, script, _results(rule, ["wobbly"]))
+    assert decision.rounds == 20 and decision.winner.kernel == rule
+    assert "near-tie" in decision.reason and "20 rounds)" in decision.reason
+    assert not decision.baseline.beaten and decision.baseline.rounds == 20
+    capped = confirm(small_problem, cpu_sku, Script(script.medians),
+                     _results(rule, ["wobbly"]), max_rounds=8)
+    assert capped.rounds <= 8 and capped.retimes <= 16
+
+
+def test_a_far_slower_contender_on_a_busy_host_is_dropped_at_once(small_problem, cpu_sku):
+    """Most rounds disturbed (as on a shared 2-core CPU), but the contender is 20x slower in
+    every one of them: no re-timing can make it a winner, so none is done."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    script = Script({rule: [100.0, 150.0, 200.0, 100.0, 170.0],
+                     "slow": [2400.0, 4000.0, 2600.0, 3600.0, 2500.0]})
+    decision = confirm(small_problem, cpu_sku, script, _results(rule, ["slow"]))
+    assert decision.winner.kernel == rule and decision.rounds == 5
+    assert "not faster" in decision.reason
+
+
+def test_the_contender_is_chosen_on_rounds_of_its_own(small_problem, cpu_sku):
+    """With several candidates, the first rounds only choose one; the decision is on fresh
+    rounds timing it and the rule's pick alone."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    script = Script({rule: [100.0], "a": [90.0], "b": [70.0], "c": [95.0]})
+    decision = confirm(small_problem, cpu_sku, script, _results(rule, ["a", "b", "c"]))
+    assert decision.winner.kernel == "b" and decision.rounds == 5
+    assert script.calls == {rule: 10, "a": 5, "b": 10, "c": 5}
+    assert decision.retimes == 30
+
+
+def test_ratio_interval_is_students_t_and_none_from_one_round():
+    ratios = [1.10, 1.12, 1.08, 1.11, 1.09]
+    logs = [math.log(r) for r in ratios]
+    mean = sum(logs) / 5
+    sd = math.sqrt(sum((x - mean) ** 2 for x in logs) / 4)
+    interval = ratio_interval(ratios, 0.2)
+    assert interval.lo == pytest.approx(math.exp(mean - 0.941 * sd / math.sqrt(5)))
+    assert interval.hi == pytest.approx(math.exp(mean + 0.941 * sd / math.sqrt(5)))
+    assert interval.rounds == 5 and interval.above(1.09) and not interval.above(1.1)
+    assert interval.below(1.11) and not interval.below(1.1)
+    one = ratio_interval([3.0], 1e-4)
+    assert (one.ratio, one.lo, one.hi, one.rounds) == (3.0, 0.0, 0.0, 1)
+    assert not one.above(1.0) and not one.below(1.0)
+
+
+def _slower_copy_of(kernel: type[BaseKernel]) -> type[BaseKernel]:
+    """``kernel`` plus a copy of its output per call: truly a little slower."""
+
+    class SlowerCopyKernel(BaseKernel):
+        name = "slower_copy"
+
+        @classmethod
+        def _supports_device(cls, problem, sku):
+            return None
+
+        @classmethod
+        def prepare(cls, problem, params, weights):
+            run = kernel.prepare(problem, {}, weights)
+            return lambda x, w, ids: run(x, w, ids).clone()
+
+    return SlowerCopyKernel
+
+
+def test_a_busy_host_never_makes_a_slower_copy_of_the_rule_win(small_problem, cpu_sku):
+    """Real kernels, and a busy loop in this process that comes and goes (it takes the core and
+    the interpreter lock in bursts, as another job on a shared host would)."""
+    rule = rule_choice(small_problem, cpu_sku)
+    reg = Registry({n: KERNEL_PATHS[n] for n in ("reference", rule.kernel)})
+    reg.add(_slower_copy_of(reg.get(rule.kernel)))
+    measurer = Measurer(small_problem, "cpu", reg, reps=5)
+    results = {(k, params_key(p)): measurer.measure(k, p)
+               for k, p in ((rule.kernel, rule.params), ("slower_copy", {}))}
+    assert all(r.status is Status.OK for r in results.values())
+    stop, rng = threading.Event(), random.Random(0)
+
+    def busy_loop() -> None:
+        while not stop.is_set():
+            until = time.perf_counter() + rng.uniform(0.001, 0.02)
+            while time.perf_counter() < until:
+                pass
+            time.sleep(rng.uniform(0.001, 0.02))
+
+    thread = threading.Thread(target=busy_loop, daemon=True)
+    thread.start()
+    try:
+        for _ in range(3):
+            decision = confirm(small_problem, cpu_sku, measurer, results, reps=5)
+            assert decision.winner.kernel == rule.kernel, decision.reason
+            assert not decision.baseline.beaten
+    finally:
+        stop.set()
+        thread.join()
