@@ -28,7 +28,8 @@ import torch
 
 from moetune.runtime.kernels.base import MoEWeights
 from moetune.runtime.kernels.quant import quantize_weights
-from moetune.runtime.kernels.triton_config import SPACE, vllm_default_config, with_prefix
+from moetune.runtime.kernels.triton_config import SPACE, with_prefix
+from moetune.runtime.vllm.configs import vllm_default_config
 from moetune.runtime.platform import SKU, detect_sku, environment
 from moetune.runtime.problem import DEFAULT_BUCKETS, MoEProblem
 from moetune.runtime.registry import default_registry

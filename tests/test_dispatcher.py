@@ -10,7 +10,7 @@ import pytest
 
 from moetune.runtime.dispatcher import Dispatcher
 from moetune.runtime.platform import SKU, Vendor
-from moetune.runtime.kernels.triton_config import vllm_default_config
+from moetune.runtime.vllm.configs import vllm_default_config
 from moetune.runtime.problem import DEFAULT_BUCKETS
 from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
@@ -131,7 +131,7 @@ def test_shipped_h200_table_serves_every_preset_bucket_with_vllms_configs_as_the
     """Tuned on the H200 against vLLM's own tuned files (the configs folder vLLM ships): with
     them as the rule, every bucket of the five presets is served from the table, and where
     the winner did not beat vLLM's pick, that pick is what runs."""
-    from moetune.runtime import vllm_configs
+    from moetune.runtime.vllm import configs as vllm_configs
 
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(vllm_configs.shipped_folder()))
     shipped, h200 = _shipped_h200()
@@ -144,7 +144,7 @@ def test_shipped_h200_table_serves_every_preset_bucket_with_vllms_configs_as_the
 def test_shipped_h200_table_also_serves_where_vllm_has_no_tuned_file(monkeypatch):
     """The same rows were timed against vLLM's default config too: a vLLM without tuned
     files (rule = its default config) is served by the same table."""
-    from moetune.runtime import vllm_configs
+    from moetune.runtime.vllm import configs as vllm_configs
 
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)
@@ -157,7 +157,7 @@ def test_shipped_h200_table_also_serves_where_vllm_has_no_tuned_file(monkeypatch
 def test_rows_are_stale_where_todays_rule_is_not_among_their_baselines(monkeypatch, tmp_path):
     """A row that was never timed against the rule here proves nothing against it: not served,
     the reason says re-tune; one whose winner lost to today's rule serves the rule's pick."""
-    from moetune.runtime import vllm_configs
+    from moetune.runtime.vllm import configs as vllm_configs
 
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)  # rule: default config

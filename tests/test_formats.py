@@ -310,7 +310,7 @@ def test_imported_vllm_rows_show_no_invented_times(tmp_path):
     """What vLLM files lack (times, a measured baseline) reads as missing, not as numbers."""
     from moetune.runtime.dispatcher import Dispatcher
     from moetune.runtime.platform import SKU, Vendor
-    from moetune.runtime.vllm_configs import shipped_folder
+    from moetune.runtime.vllm.configs import shipped_folder
     from moetune.tuner import report
 
     folder = shipped_folder()

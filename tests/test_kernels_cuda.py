@@ -19,7 +19,8 @@ import torch
 
 from moetune.errors import InvalidProblemError
 from moetune.runtime.kernels.triton_config import (
-    SPACE, check_config, vllm_default_config, with_prefix)
+    SPACE, check_config, with_prefix)
+from moetune.runtime.vllm.configs import vllm_default_config
 from moetune.runtime.platform import SKU, Vendor, detect_sku
 from moetune.runtime.problem import DEFAULT_BUCKETS, MoEProblem, QuantScheme
 from moetune.runtime.registry import default_registry
@@ -190,7 +191,7 @@ def test_cuda_rule_picks_the_triton_kernel_with_vllms_config():
     """On a (described) H200 the rule is aiter_triton with vLLM's config: its tuned file where
     the installed vLLM ships one (or VLLM_TUNED_CONFIG_FOLDER has one), else its default. aiter
     and triton are test requirements, so aiter's Triton modules load here and on the GPU."""
-    from moetune.runtime.vllm_configs import tuned_config
+    from moetune.runtime.vllm.configs import tuned_config
 
     problem = MoEProblem(256, 4096, 14336, 8, 2)
     choice = rule_choice(problem, H200)

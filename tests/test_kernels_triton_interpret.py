@@ -18,7 +18,8 @@ import sys
 import pytest
 import torch
 
-from moetune.runtime.kernels.triton_config import vllm_default_config, with_prefix
+from moetune.runtime.kernels.triton_config import with_prefix
+from moetune.runtime.vllm.configs import vllm_default_config
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import MoEProblem, QuantScheme
 from moetune.runtime.registry import default_registry

@@ -83,7 +83,7 @@ def _vllm_pick(problem: MoEProblem, monkeypatch) -> dict:
     """The config vLLM's own ``try_get_optimal_moe_config`` picks for ``problem`` on an H200."""
     from vllm.model_executor.layers.fused_moe import fused_moe as vllm_fused_moe
 
-    from moetune.runtime.vllm_configs import selectors
+    from moetune.runtime.vllm.configs import selectors
 
     monkeypatch.setattr(vllm_fused_moe, "get_device_name_as_file_name", lambda: "NVIDIA_H200")
     vllm_fused_moe.get_moe_configs.cache_clear()
@@ -129,7 +129,7 @@ def test_cuda_rule_reads_the_users_vllm_folder_first(tmp_path, monkeypatch):
 
 
 def test_cuda_rule_uses_the_default_config_for_a_file_entry_it_cannot_run(tmp_path, monkeypatch):
-    from moetune.runtime.kernels.triton_config import vllm_default_config
+    from moetune.runtime.vllm.configs import vllm_default_config
 
     (tmp_path / "E=8,N=14336,device_name=NVIDIA_H200.json").write_text(json.dumps(
         {"1": {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,

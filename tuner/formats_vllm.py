@@ -35,7 +35,7 @@ from moetune.runtime.dispatcher import row_problem
 from moetune.runtime.kernels.triton_config import SPACE, config_of
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme, Shape, parse_enum
-from moetune.runtime.vllm_configs import (
+from moetune.runtime.vllm.configs import (
     FILE_NAME, config_file_name, device_key, selectors, vllm_device_name)
 from moetune.tuner.formats_io import FormatReport, ImportedWinner, stale_note, write_winners
 from moetune.tuner.presets import preset

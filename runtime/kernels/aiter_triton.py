@@ -18,7 +18,8 @@ from moetune.runtime import aiter_loader
 from moetune.runtime.kernels._math import activate
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.kernels.triton_config import (
-    QUANT_BLOCK, check_config, config_of, config_params, vllm_config)
+    QUANT_BLOCK, check_config, config_of, config_params)
+from moetune.runtime.vllm.configs import vllm_config
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 

@@ -12,8 +12,8 @@ from typing import Any
 from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
 from moetune.runtime.platform import SKU
 from moetune.runtime.problem import MoEProblem
-from moetune.runtime.kernels.triton_config import (
-    config_of, config_params, vllm_config, with_prefix)
+from moetune.runtime.kernels.triton_config import config_of, config_params, with_prefix
+from moetune.runtime.vllm.configs import vllm_config
 
 
 class AiterTritonSplitKernel(AiterTritonKernel):
