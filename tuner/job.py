@@ -30,7 +30,7 @@ from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
 from moetune.runtime.dispatcher import row_verdict
 from moetune.tuner.inputs import Routing
-from moetune.tuner.measure import Measurer, Result, Status
+from moetune.tuner.measure import Measurer, Result
 from moetune.tuner.precompile import CompilePool
 from moetune.tuner.roofline import Ceilings, measure_if_cuda
 from moetune.tuner.study import Decision, Key, confirm, search
@@ -275,7 +275,7 @@ def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: JobOp
             db.add_measurement(s, run, bucket, r.kernel, r.params,
                                t.median_us if t else None, t.p20_us if t else None,
                                t.p80_us if t else None, t.samples if t else 0, r.error,
-                               db.MeasurementStatus(r.status.value), r.reason)
+                               r.status, r.reason)
         found_by = db.get_run(s, measured_by.get((w.kernel, params_key(w.params)), run_id))
         db.set_winner(s, _sku_row(s, sku), bucket, found_by, w.kernel, w.params, wt.median_us,
                       wt.p20_us, wt.p80_us, w.error, decision.baseline.kernel,
@@ -301,7 +301,7 @@ def _known_results(output: Path | str, sku: SKU,
             timing = None
             if m.median_us is not None:
                 timing = Timing(m.median_us, m.p20_us, m.p80_us, m.samples, "stored")
-            known[(kernel, pkey)] = Result(kernel, db.load_json(m.params), Status(m.status.value),
+            known[(kernel, pkey)] = Result(kernel, db.load_json(m.params), m.status,
                                            timing, m.error, m.reason)
             runs[(kernel, pkey)] = m.run_id
         return known, runs

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import math
 import time
 from typing import Any, Protocol
 
+from moetune import db
 from moetune.runtime.kernels.base import MoEFn, params_key
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
@@ -19,13 +19,8 @@ from moetune.tuner.timing import Timing, time_op
 _ROTATE_BYTES = 256 << 20
 
 
-class Status(str, enum.Enum):
-    """Outcome of one measurement; values match the table's measurement status."""
-
-    OK = "ok"
-    FAILED = "failed"
-    WRONG = "wrong"
-    PRUNED = "pruned"
+#: Outcome of one measurement: the table's own enum, so a result is stored as it is.
+Status = db.MeasurementStatus
 
 
 @dataclasses.dataclass(frozen=True)
