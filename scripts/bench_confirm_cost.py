@@ -62,9 +62,10 @@ def main() -> None:
 
 def _progress(o: BucketOutcome) -> None:
     d = o.decision
-    print(f"M={o.problem.num_tokens}: " + (o.error or f"{d.winner.kernel}, {d.rounds} rounds, "
-          f"{o.seconds['confirm']:.1f}s of {o.seconds['total']:.1f}s confirming"),
-          file=sys.stderr, flush=True)
+    done = d and (f"{d.winner.kernel}, {d.rounds} rounds, {o.seconds['confirm']:.1f}s of "
+                  f"{o.seconds['total']:.1f}s confirming")
+    print(f"M={o.problem.num_tokens}: {done or o.error or o.skipped}", file=sys.stderr,
+          flush=True)
 
 
 def report(outcomes: list[BucketOutcome], args: argparse.Namespace, device: str) -> str:

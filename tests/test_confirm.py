@@ -151,6 +151,17 @@ def test_rounds_that_disagree_are_timed_again_up_to_the_bound(small_problem, cpu
     assert capped.rounds <= 8 and capped.retimes <= 16
 
 
+def test_a_baseline_slow_in_every_round_is_not_beaten(small_problem, cpu_sku):
+    """A busy episode spanning the whole confirmation slows the rule's pick to ~1.9x of what
+    the search measured, in every round: those rounds are all disturbed, timed again up to the
+    bound, and an equally fast candidate does not win."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    script = Script({rule: [190.0, 185.0, 195.0], "same": [100.0]})
+    decision = confirm(small_problem, cpu_sku, script, _results(rule, ["same"]))
+    assert decision.winner.kernel == rule and decision.rounds == 20
+    assert "0 rounds)" in decision.reason
+
+
 def test_a_far_slower_contender_on_a_busy_host_is_dropped_at_once(small_problem, cpu_sku):
     """Most rounds disturbed (as on a shared 2-core CPU), but the contender is 20x slower in
     every one of them: no re-timing can make it a winner, so none is done."""

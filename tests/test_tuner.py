@@ -214,7 +214,7 @@ def test_every_rule_variant_is_recorded_with_the_winners_ratio(small_problem, cp
     variants = rule_variants(small_problem, cpu_sku)
     assert [v.kernel for v in variants] == ["vllm_cpu_experts", "torch_loop"] or \
         [v.kernel for v in variants] == ["torch_loop"]
-    results = {(v.kernel, "{}"): _ok(v.kernel, 100.0) for v in variants}
+    results = {(v.kernel, "{}"): _ok(v.kernel, 100.0 * (i + 1)) for i, v in enumerate(variants)}
     results[("torch_grouped", "{}")] = _ok("torch_grouped", 50.0)
     script = {v.kernel: [(100.0 * (i + 1), 1.0)] for i, v in enumerate(variants)}
     script["torch_grouped"] = [(50.0, 1.0)]

@@ -5,8 +5,9 @@ only when the confidence interval of its speedup lies above a margin."""
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import optuna
 
@@ -211,7 +212,8 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
 
     Each round re-times its finalists once, in alternating order, so a speedup is taken within
     a round: a slow phase of the machine slows both sides. A re-timing more than ``DISTURBED``
-    times its kernel's fastest is left out, with its round, of that kernel's comparisons. With
+    times its kernel's fastest (in any round; for a rule variant, also in the search) is left
+    out, with its round, of that kernel's comparisons. With
     several candidates, ``rounds`` rounds of every finalist choose the contender (the best mean
     ratio over the rule's pick, ``rule_variants(...)[0]``); the decision is on fresh rounds of
     the contender and the variants, so the luck that made it look best does not count twice.
@@ -236,26 +238,26 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     bases = [b for b in bases if b.status is Status.OK]  # a variant that fails here is no rule
     ok = sorted((r for r in results.values() if r.status is Status.OK), key=lambda r: r.median_us)
     finalists = bases + [r for r in ok[:top] if all(r is not b for b in bases)]
+    timed = _Rounds(measurer, finalists, reps, [b.median_us for b in bases])
     contender = 1 if len(finalists) > 1 else 0  # 0: nothing but the rule's pick to time
-    screened = 0
     if len(finalists) > 2:
-        screen = _rounds(measurer, finalists, list(range(len(finalists))), rounds, reps)
-        contender = max(range(1, len(finalists)),
-                        key=lambda i: _interval(screen[i], screen[0], ALPHA).ratio)
-        screened = rounds * len(finalists)
+        timed.add(range(len(finalists)), rounds)
+        contender = max(range(1, len(finalists)), key=lambda i: timed.interval(i, 0, ALPHA).ratio)
+        timed.since = rounds  # the decision's rounds start here
     who = list(range(len(bases))) + ([contender] if contender >= len(bases) else [])
-    log, look = _rounds(measurer, finalists, who, rounds, reps), rounds
-    while contender and len(log[0]) < max_rounds:
-        if (_interval(log[contender], log[0], FUTILE_ALPHA).below(1 + MARGIN)
-                or _interval(log[contender], log[0], ALPHA, clean=False).below(1 + MARGIN)):
+    timed.add(who, rounds)
+    look = rounds
+    while contender and timed.deciding < max_rounds:
+        if (timed.interval(contender, 0, FUTILE_ALPHA).below(1 + MARGIN)
+                or timed.interval(contender, 0, ALPHA, clean=False).below(1 + MARGIN)):
             break  # not faster: at a loose confidence, or surely, even with disturbed rounds
-        verdict = _interval(log[contender], log[0], ALPHA)
+        verdict = timed.interval(contender, 0, ALPHA)
         if verdict.rounds >= look:
             if verdict.above(1 + MARGIN):
                 break
             look += rounds
-        _rounds(measurer, finalists, who, 1, reps, log)
-    verdict = _interval(log[contender], log[0], ALPHA)
+        timed.add(who, 1)
+    verdict = timed.interval(contender, 0, ALPHA)
     best = contender if verdict.above(1 + MARGIN) else 0
     hi = f"{verdict.hi:.3f}" if verdict.hi < 1e3 else f"{verdict.hi:.2g}"  # few rounds: huge
     evidence = f"({verdict.lo:.3f}-{hi}, {verdict.rounds} rounds)"
@@ -266,54 +268,71 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
                   f"{finalists[contender].kernel} {verdict.ratio:.3f}x {evidence}")
     else:
         reason = "baseline kept"
-    baselines = tuple(_baseline(b, log[i], log[best], i == best) for i, b in enumerate(bases))
-    return Decision(finalists[best], _pooled(log[best]), baselines, reason,
-                    tuple(results.values()), len(log[0]), screened + sum(map(len, log)),
-                    len(finalists))
+    baselines = []
+    for i, b in enumerate(bases):
+        v = timed.interval(best, i, ALPHA)
+        baselines.append(Baseline(b.kernel, b.params, timed.pooled(i), v.rounds, v.lo, v.hi,
+                                  i != best and v.above(1 + MARGIN),
+                                  timed.shared(best, i) - v.rounds))
+    return Decision(finalists[best], timed.pooled(best), tuple(baselines), reason,
+                    tuple(results.values()), timed.deciding, timed.retimes, len(finalists))
 
 
-def _rounds(measurer: CandidateMeasurer, finalists: list[Result], who: list[int], n: int,
-            reps: int, log: list[dict[int, Timing]] | None = None) -> list[dict[int, Timing]]:
-    """``n`` more rounds, each re-timing the finalists ``who`` once, in alternating order (a
-    machine drifting within a round favours neither side); ``log``: per finalist, round ->
-    timing, extended in place."""
-    log = log or [{} for _ in finalists]
-    for _ in range(n):
-        r = max(len(t) for t in log)
-        for i in who if r % 2 == 0 else who[::-1]:
-            log[i][r] = measurer.retime(finalists[i].kernel, finalists[i].params, reps)
-    return log
+class _Rounds:
+    """The finalists' re-timings by round, in alternating order within a round (a machine
+    drifting within a round favours neither side). A re-timing over ``DISTURBED`` times its
+    kernel's fastest is disturbed; the fastest counts every round and, for the rule variants,
+    their search timing (``floors``): leaving out rounds where a baseline is slow is the safe
+    direction. Intervals and pooled timings use the rounds from ``since`` on."""
 
+    def __init__(self, measurer: CandidateMeasurer, finalists: list[Result], reps: int,
+                 floors: list[float]) -> None:
+        self.measurer, self.finalists, self.reps = measurer, finalists, reps
+        self.floors = floors + [math.inf] * (len(finalists) - len(floors))
+        self.log: list[dict[int, Timing]] = [{} for _ in finalists]
+        self.since = 0
+        self.retimes = 0
 
-def _clean(timings: dict[int, Timing]) -> dict[int, float]:
-    """A kernel's medians by round, without the rounds disturbed (``DISTURBED`` times its
-    fastest: noise only ever adds time, so the fastest round is the reference)."""
-    fastest = min(t.median_us for t in timings.values())
-    return {r: t.median_us for r, t in timings.items() if t.median_us <= DISTURBED * fastest}
+    @property
+    def deciding(self) -> int:
+        return len(self.log[0]) - self.since
 
+    def add(self, who: Iterable[int], n: int) -> None:
+        who = list(who)
+        for _ in range(n):
+            r = max(len(t) for t in self.log)
+            for i in who if r % 2 == 0 else who[::-1]:
+                f = self.finalists[i]
+                self.log[i][r] = self.measurer.retime(f.kernel, f.params, self.reps)
+                self.retimes += 1
 
-def _interval(winner: dict[int, Timing], baseline: dict[int, Timing], alpha: float,
-              clean: bool = True) -> RatioInterval:
-    """The winner's speedup over the baseline from the rounds clean for both (``clean``), or
-    from every round both were timed in."""
-    w, b = (_clean(winner), _clean(baseline)) if clean else (
-        {r: t.median_us for r, t in winner.items()}, {r: t.median_us for r, t in baseline.items()})
-    return ratio_interval([b[r] / w[r] for r in sorted(w.keys() & b.keys())], alpha)
+    def medians(self, i: int, clean: bool = True) -> dict[int, float]:
+        """Finalist ``i``'s medians by deciding round, the disturbed ones left out if ``clean``
+        (noise only ever adds time, so the fastest is the reference)."""
+        fastest = min(min(t.median_us for t in self.log[i].values()), self.floors[i])
+        return {r: t.median_us for r, t in self.log[i].items() if r >= self.since
+                and (not clean or t.median_us <= DISTURBED * fastest)}
 
+    def interval(self, winner: int, baseline: int, alpha: float,
+                 clean: bool = True) -> RatioInterval:
+        """``winner``'s speedup over ``baseline`` from the deciding rounds (clean for both)."""
+        w, b = self.medians(winner, clean), self.medians(baseline, clean)
+        return ratio_interval([b[r] / w[r] for r in sorted(w.keys() & b.keys())], alpha)
 
-def _baseline(result: Result, rounds: dict[int, Timing], winner: dict[int, Timing],
-              same: bool) -> Baseline:
-    v = _interval(winner, rounds, ALPHA)
-    return Baseline(result.kernel, result.params, _pooled(rounds), v.rounds, v.lo, v.hi,
-                    not same and v.above(1 + MARGIN), len(winner.keys() & rounds.keys()) - v.rounds)
+    def shared(self, a: int, b: int) -> int:
+        """Deciding rounds that timed both ``a`` and ``b``."""
+        return len([r for r in self.log[a].keys() & self.log[b].keys() if r >= self.since])
 
-
-def _pooled(rounds: dict[int, Timing]) -> Timing:
-    """Median of the clean rounds' medians, with their typical p20/p80 offsets around it: a
-    disturbed round (another process, a clock change) moves neither."""
-    clean = [rounds[r] for r in _clean(rounds)]
-    median = statistics.median(t.median_us for t in clean)
-    below = statistics.median(t.median_us - t.p20_us for t in clean)
-    above = statistics.median(t.p80_us - t.median_us for t in clean)
-    return Timing(median, median - below, median + above, sum(t.samples for t in clean),
-                  "confirm")
+    def pooled(self, i: int) -> Timing:
+        """Median of the clean deciding rounds' medians, with their typical p20/p80 offsets
+        around it, so a disturbed round moves neither (the fastest when all are disturbed)."""
+        clean = self.medians(i)
+        if not clean:  # every deciding round slower than its search timing: the fastest one
+            every = self.medians(i, clean=False)
+            clean = {min(every, key=every.__getitem__): 0.0}
+        rounds = [self.log[i][r] for r in clean]
+        median = statistics.median(t.median_us for t in rounds)
+        below = statistics.median(t.median_us - t.p20_us for t in rounds)
+        above = statistics.median(t.p80_us - t.median_us for t in rounds)
+        return Timing(median, median - below, median + above, sum(t.samples for t in rounds),
+                      "confirm")
