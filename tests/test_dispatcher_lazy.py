@@ -237,14 +237,14 @@ def test_a_table_that_cannot_be_read_after_load_falls_back_and_is_not_used(table
     assert d.select(RULE.problem(4)).source == "rule" and not d.covers(STALE)
 
 
-def test_an_older_schema_is_judged_whole_at_load(monkeypatch):
-    """Its upgraded copy lives in memory on one connection, which other threads cannot use:
-    the shipped H200 table (schema 0003) is judged at load, as before."""
-    from moetune.runtime.dispatcher import shipped_table
-
+def test_an_older_schema_is_judged_whole_at_load(tmp_path, monkeypatch):
+    """Its upgraded copy lives in memory on one connection, which other threads cannot use."""
+    path = tmp_path / "old.db"
+    path.write_bytes((Path(__file__).parent / "assets" / "table_0001_initial.db").read_bytes())
     judged = _count_verdicts(monkeypatch)
-    d = Dispatcher.load(shipped_table(H200), H200, check_environment=False)
-    assert d.usable and len(judged) == d.table_rows == 90
+    d = Dispatcher.load(path, H200, check_environment=False)
+    assert d.usable and d.table_rows == 2 and len(judged) == 3  # and the MI300X row
+    assert len(d.status.rejected_rows) == 2 and len(judged) == 3  # nothing read again
 
 
 def test_a_forked_child_reads_the_table_on_its_own_connection(table):
