@@ -65,7 +65,8 @@ class NoisyMeasurer:
 
     def retime(self, kernel: str, params: dict, reps: int) -> Timing:
         rng, model = self.rng, self.model
-        t = self.true_us[kernel] * rng.lognormvariate(0, 0.002 if model == "quiet" else 0.03)
+        jitter = 0.002 if model == "quiet" else 0.03
+        t = self.true_us[kernel] * rng.lognormvariate(0, jitter)
         if model in ("spikes", "all") and kernel == self.rule and rng.random() < 0.2:
             t *= rng.uniform(10, 50)
         if model in ("busy", "all"):
@@ -79,7 +80,7 @@ class NoisyMeasurer:
             t *= 1.15 if self.calls >= self.step_at else 1.0
         self.calls += 1
         self.log.append((kernel, t))
-        return Timing(t, t * 0.97, t * 1.03, reps, "scripted")
+        return Timing(t, t * (1 - jitter), t * (1 + jitter), reps, "scripted")  # its reps
 
 
 def previous_rule(log: list[tuple[str, float]], kernels: list[str]) -> str:

@@ -19,7 +19,7 @@ from moetune.runtime.registry import KERNEL_PATHS, Registry
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.measure import Measurer, Result, Status
 from moetune.tuner.study import MARGIN, confirm
-from moetune.tuner.timing import Timing, ratio_interval
+from moetune.tuner.timing import Timing, median_error, ratio_interval
 
 NOISE = ("jitter", "spikes", "busy", "drift")
 
@@ -50,7 +50,7 @@ class FakeTimer:
             t *= 1 + 0.1 * math.sin(2 * math.pi * self.calls / self.period + self.phase)
             t *= 1.15 if self.calls >= self.step_at else 1.0
         self.calls += 1
-        return Timing(t, t * 0.97, t * 1.03, reps, "fake")
+        return Timing(t, t * (1 - self.jitter), t * (1 + self.jitter), reps, "fake")
 
 
 def _results(rule: str, candidates: list[str]) -> dict:
@@ -105,15 +105,16 @@ def test_a_truly_faster_candidate_still_wins(small_problem, cpu_sku, noise, spee
 
 
 class Script:
-    """Re-timings from a script per kernel (medians, cycled), counted."""
+    """Re-timings from a script per kernel (medians, cycled), counted; ``spread``: each
+    re-timing's repetitions lie +-spread around its median."""
 
-    def __init__(self, medians: dict[str, list[float]]):
-        self.medians, self.calls = medians, {k: 0 for k in medians}
+    def __init__(self, medians: dict[str, list[float]], spread: float = 0.0):
+        self.medians, self.spread, self.calls = medians, spread, {k: 0 for k in medians}
 
     def retime(self, kernel: str, params: dict, reps: int) -> Timing:
         t = self.medians[kernel][self.calls[kernel] % len(self.medians[kernel])]
         self.calls[kernel] += 1
-        return Timing(t, t, t, reps, "scripted")
+        return Timing(t, t * (1 - self.spread), t * (1 + self.spread), reps, "scripted")
 
 
 def test_a_disturbed_round_is_left_out_timed_again_and_recorded(small_problem, cpu_sku):
@@ -135,6 +136,17 @@ def test_a_speedup_below_the_margin_keeps_the_rule_however_steady(small_problem,
     decision = confirm(small_problem, cpu_sku, script, _results(rule, ["steady"]))
     assert (decision.winner.kernel == "steady") is wins and decision.rounds == 5
     assert decision.baseline.beaten is wins
+
+
+@pytest.mark.parametrize(("spread", "rounds"), [(0.0, 5), (0.03, 10)])
+def test_rounds_that_agree_by_chance_prove_no_more_than_their_repetitions(
+        small_problem, cpu_sku, spread, rounds):
+    """6% faster in every round alike: decided at the first look when each re-timing is exact,
+    but when its repetitions spread +-3%, the interval is as wide as they imply."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    script = Script({rule: [100.0], "steady": [100.0 / 1.06]}, spread)
+    decision = confirm(small_problem, cpu_sku, script, _results(rule, ["steady"]))
+    assert decision.winner.kernel == "steady" and decision.rounds == rounds
 
 
 def test_rounds_that_disagree_are_timed_again_up_to_the_bound(small_problem, cpu_sku):
@@ -184,7 +196,7 @@ def test_the_contender_is_chosen_on_rounds_of_its_own(small_problem, cpu_sku):
     assert decision.retimes == 30
 
 
-def test_ratio_interval_is_students_t_and_none_from_one_round():
+def test_ratio_interval_is_students_t_floored_and_none_from_one_round():
     ratios = [1.10, 1.12, 1.08, 1.11, 1.09]
     logs = [math.log(r) for r in ratios]
     mean = sum(logs) / 5
@@ -194,6 +206,10 @@ def test_ratio_interval_is_students_t_and_none_from_one_round():
     assert interval.hi == pytest.approx(math.exp(mean + 0.941 * sd / math.sqrt(5)))
     assert interval.rounds == 5 and interval.above(1.09) and not interval.above(1.1)
     assert interval.below(1.11) and not interval.below(1.1)
+    floored = ratio_interval([1.1] * 5, 0.2, min_sd=0.02)
+    assert floored.lo == pytest.approx(1.1 * math.exp(-0.941 * 0.02 / math.sqrt(5)))
+    assert median_error(Timing(100.0, 97.0, 103.0, 10, "x")) == pytest.approx(
+        0.745 * 0.06 / math.sqrt(10))
     one = ratio_interval([3.0], 1e-4)
     assert (one.ratio, one.lo, one.hi, one.rounds) == (3.0, 0.0, 0.0, 1)
     assert not one.above(1.0) and not one.below(1.0)

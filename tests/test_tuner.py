@@ -192,7 +192,8 @@ def test_confirmation_gives_near_ties_to_the_baseline_and_real_wins_to_the_winne
     win = confirm(small_problem, cpu_sku, ScriptedMeasurer(
         {base: [(100.0, 5.0)], "torch_grouped": [(50.0, 1.0)]}), results)
     assert win.winner.kernel == "torch_grouped" and win.speedup == 2.0
-    assert win.baseline.beaten and win.baseline.ratio_lo == win.baseline.ratio_hi == 2.0
+    # Rounds that agree exactly still carry the error the timings' own repetitions imply.
+    assert win.baseline.beaten and 1.01 < win.baseline.ratio_lo < 2.0 < win.baseline.ratio_hi
 
 
 @pytest.mark.parametrize("slow_rounds", [1, 2])
@@ -220,7 +221,7 @@ def test_every_rule_variant_is_recorded_with_the_winners_ratio(small_problem, cp
     script["torch_grouped"] = [(50.0, 1.0)]
     decision = confirm(small_problem, cpu_sku, ScriptedMeasurer(script), results)
     assert [b.kernel for b in decision.baselines] == [v.kernel for v in variants]
-    assert [b.ratio_lo for b in decision.baselines] == [2.0 * (i + 1) for i in range(len(variants))]
+    assert all(b.ratio_lo < 2.0 * (i + 1) < b.ratio_hi for i, b in enumerate(decision.baselines))
     assert all(b.beaten and b.rounds == 5 for b in decision.baselines)
 
 

@@ -18,7 +18,7 @@ from moetune.runtime.problem import MoEProblem
 from moetune.runtime.rules import RuleChoice, rule_variants
 from moetune.tuner.measure import CandidateMeasurer, Result, Status
 from moetune.tuner.precompile import CompilePool
-from moetune.tuner.timing import RatioInterval, Timing, ratio_interval
+from moetune.tuner.timing import RatioInterval, Timing, median_error, ratio_interval
 
 Key = tuple[str, str]
 
@@ -315,9 +315,13 @@ class _Rounds:
 
     def interval(self, winner: int, baseline: int, alpha: float,
                  clean: bool = True) -> RatioInterval:
-        """``winner``'s speedup over ``baseline`` from the deciding rounds (clean for both)."""
+        """``winner``'s speedup over ``baseline`` from the deciding rounds (clean for both), its
+        spread at least what each re-timing's repetitions imply."""
         w, b = self.medians(winner, clean), self.medians(baseline, clean)
-        return ratio_interval([b[r] / w[r] for r in sorted(w.keys() & b.keys())], alpha)
+        rounds = sorted(w.keys() & b.keys())
+        errors = [median_error(self.log[i][r]) ** 2 for r in rounds for i in (winner, baseline)]
+        return ratio_interval([b[r] / w[r] for r in rounds], alpha,
+                              math.sqrt(sum(errors) / len(rounds)) if rounds else 0.0)
 
     def shared(self, a: int, b: int) -> int:
         """Deciding rounds that timed both ``a`` and ``b``."""

@@ -70,11 +70,19 @@ class RatioInterval:
         return self.rounds >= 2 and self.hi < threshold
 
 
-def ratio_interval(ratios: Sequence[float], alpha: float) -> RatioInterval:
+def median_error(t: Timing) -> float:
+    """The relative standard error of ``t``'s median that its own repetitions imply: their
+    p20-p80 spread is 1.683 sigma for normal samples, and a median's error 1.2533 sigma /
+    sqrt(n)."""
+    return 0.745 * t.spread_us / math.sqrt(t.samples) / t.median_us if t.median_us else 0.0
+
+
+def ratio_interval(ratios: Sequence[float], alpha: float, min_sd: float = 0.0) -> RatioInterval:
     """Student's t interval of the mean log ratio, each bound wrong with probability ``alpha``
     when the rounds' log ratios are independent and normal (rounds disturbed far beyond that are
     left out by the caller). The rounds' own spread sets the width, so a noisy machine needs a
-    larger speedup, or more rounds, to show one.
+    larger speedup, or more rounds, to show one; ``min_sd`` bounds that spread from below (what
+    the timings' repetitions imply), so rounds that agree by chance prove no more than that.
 
     Raises:
         KeyError: ``alpha`` is not one of the tabulated levels (``_T_QUANTILES``).
@@ -85,7 +93,8 @@ def ratio_interval(ratios: Sequence[float], alpha: float) -> RatioInterval:
     if n < 2:
         return RatioInterval(ratios[0] if ratios else 1.0, 0.0, 0.0, n)
     mean = statistics.fmean(logs)
-    half = table[min(n - 1, len(table)) - 1] * statistics.stdev(logs) / math.sqrt(n)
+    sd = max(statistics.stdev(logs), min_sd)
+    half = table[min(n - 1, len(table)) - 1] * sd / math.sqrt(n)
     hi = math.exp(min(mean + half, 700.0))  # a few wild rounds: a huge bound, not an overflow
     return RatioInterval(math.exp(mean), math.exp(mean - half), hi, n)
 
