@@ -74,8 +74,10 @@ def report(outcomes: list[BucketOutcome], args: argparse.Namespace, device: str)
              f"torch {torch.__version__}",
              f"- command: `python scripts/bench_confirm_cost.py {' '.join(sys.argv[1:])}`",
              f"- decision: a win needs the ratio interval (each bound wrong with probability "
-             f"{ALPHA:g}) above {1 + MARGIN:.2f}x; re-timings over {DISTURBED}x their kernel's "
-             f"fastest round are left out and their rounds timed again; 5 clean rounds per "
+             f"{ALPHA:g}, at least as wide as the re-timings' repetitions imply) above "
+             f"{1 + MARGIN:.2f}x; re-timings over {DISTURBED}x their kernel's fastest round (for "
+             f"a rule variant, also its search timing) are left out and their rounds timed "
+             f"again; 5 clean rounds per "
              f"look, at most 20 deciding rounds (after 5 choosing the contender when there are "
              f"several). Previous rule: {PREVIOUS_ROUNDS} rounds of every finalist.", "",
              "| M | winner | speedup over the rule's pick (interval) | search s | confirm s | "

@@ -145,10 +145,11 @@ def main() -> None:
           f"({platform.machine()}); command: python scripts/bench_confirm_noise.py --trials "
           f"{args.trials} --candidates {args.candidates} --seed {args.seed}")
     print(f"- rule now: a win needs the ratio interval (Student t on the rounds' log ratios, "
-          f"each bound wrong with probability {ALPHA:g}) above {1 + MARGIN:.2f}x; re-timings "
-          f"over {DISTURBED}x their kernel's fastest are left out; 5 clean rounds at a time, at "
-          f"most 20 rounds. Previous rule: {PREVIOUS_ROUNDS} rounds, a win in every round but "
-          f"one and in the median round.")
+          f"each bound wrong with probability {ALPHA:g}, at least as wide as the re-timings' "
+          f"repetitions imply) above {1 + MARGIN:.2f}x; re-timings over {DISTURBED}x their "
+          f"kernel's fastest (for the rule's pick, also its search timing) are left out; 5 "
+          f"clean rounds at a time, at most 20 rounds. Previous rule: {PREVIOUS_ROUNDS} rounds, "
+          f"a win in every round but one and in the median round.")
     print(f"- {args.trials} confirmations per cell; cells are 'now / previous'.\n")
     header = "| noise | " + " | ".join(_label(s) for s in SPEEDS) + " |"
     rule = "|---" * (len(SPEEDS) + 1) + "|"

@@ -220,9 +220,10 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     The contender wins only if the confidence interval of its speedup (``ratio_interval`` at
     ``ALPHA``) lies above ``1 + MARGIN``, looked at each time ``rounds`` more rounds are clean.
     Rounds are added until it does, or until even a loose interval (``FUTILE_ALPHA``) lies
-    below (or a strict one from every round, disturbed ones too: a far slower contender on a
-    busy host), or ``max_rounds`` deciding rounds (default ``4 * rounds``) have been timed; then
-    the rule's pick is kept: a near-tie is noise, and the rule needs no table row to be right.
+    below (or the contender's fastest time is ``DISTURBED`` times the rule's: a far slower
+    contender on a busy host), or ``max_rounds`` deciding rounds (default ``4 * rounds``) have
+    been timed; then the rule's pick is kept: a near-tie is noise, and the rule needs no table
+    row to be right.
     Every variant is recorded with the winner's ratio interval over it.
 
     Raises:
@@ -249,8 +250,8 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     look = rounds
     while contender and timed.deciding < max_rounds:
         if (timed.interval(contender, 0, FUTILE_ALPHA).below(1 + MARGIN)
-                or timed.interval(contender, 0, ALPHA, clean=False).below(1 + MARGIN)):
-            break  # not faster: at a loose confidence, or surely, even with disturbed rounds
+                or timed.fastest(contender) > DISTURBED * timed.fastest(0)):
+            break  # not faster at a loose confidence, or even at its best (a busy host)
         verdict = timed.interval(contender, 0, ALPHA)
         if verdict.rounds >= look:
             if verdict.above(1 + MARGIN):
@@ -306,18 +307,20 @@ class _Rounds:
                 self.log[i][r] = self.measurer.retime(f.kernel, f.params, self.reps)
                 self.retimes += 1
 
+    def fastest(self, i: int) -> float:
+        """Finalist ``i``'s fastest time: noise only ever adds time, so this is the reference."""
+        return min(min(t.median_us for t in self.log[i].values()), self.floors[i])
+
     def medians(self, i: int, clean: bool = True) -> dict[int, float]:
-        """Finalist ``i``'s medians by deciding round, the disturbed ones left out if ``clean``
-        (noise only ever adds time, so the fastest is the reference)."""
-        fastest = min(min(t.median_us for t in self.log[i].values()), self.floors[i])
+        """Finalist ``i``'s medians by deciding round, the disturbed ones left out if ``clean``."""
+        fastest = self.fastest(i)
         return {r: t.median_us for r, t in self.log[i].items() if r >= self.since
                 and (not clean or t.median_us <= DISTURBED * fastest)}
 
-    def interval(self, winner: int, baseline: int, alpha: float,
-                 clean: bool = True) -> RatioInterval:
-        """``winner``'s speedup over ``baseline`` from the deciding rounds (clean for both), its
+    def interval(self, winner: int, baseline: int, alpha: float) -> RatioInterval:
+        """``winner``'s speedup over ``baseline`` from the deciding rounds clean for both, its
         spread at least what each re-timing's repetitions imply."""
-        w, b = self.medians(winner, clean), self.medians(baseline, clean)
+        w, b = self.medians(winner), self.medians(baseline)
         rounds = sorted(w.keys() & b.keys())
         errors = [median_error(self.log[i][r]) ** 2 for r in rounds for i in (winner, baseline)]
         return ratio_interval([b[r] / w[r] for r in rounds], alpha,
