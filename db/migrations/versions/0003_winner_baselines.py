@@ -7,7 +7,7 @@ Create Date: 2026-12-01
 ``winner.baselines``: a JSON list, one object per variant of the rule measured in the same
 confirmation as the winner (vLLM's default config, its tuned-file entry, aiter's rule, ...):
 ``kernel``, ``params``, ``median_us``, ``p20_us``, ``p80_us``, ``rounds``, ``ratio_lo``,
-``ratio_hi`` (the winner's speedup over it, lowest and highest round but one) and ``beaten``.
+``ratio_hi`` (the confidence interval of the winner's speedup over it; rows from 0e08733 on also hold ``rounds`` and ``disturbed``) and ``beaten``.
 Serving uses a row where today's rule is among them and was beaten, so a table stays valid for
 users with and without vLLM's tuned files. Rows from 0002 have one baseline (``baseline_*``).
 """
