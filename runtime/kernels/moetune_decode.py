@@ -67,7 +67,7 @@ class MoetuneDecodeKernel(BaseKernel):
         if INTERPRET:
             return ("TRITON_INTERPRET=1 was set when the kernels were defined: they would run "
                     "interpreted")
-        if sku.vendor is Vendor.NVIDIA and _sm(sku) < 80:
+        if sku.vendor is Vendor.NVIDIA and sku.sm < 80:
             return f"needs sm_80 or newer, device is {sku.arch}"
         if sku.vendor is Vendor.AMD and sku.arch not in _ROCM_ARCHS:
             return f"runs on ROCm {'/'.join(_ROCM_ARCHS)} only, device is {sku.arch}"
@@ -79,7 +79,7 @@ class MoetuneDecodeKernel(BaseKernel):
             return None
         if sku.vendor is Vendor.CPU:
             return "fp8 weights do not run in Triton's CPU interpreter (numpy has no fp8)"
-        if sku.vendor is Vendor.NVIDIA and _sm(sku) < 89:
+        if sku.vendor is Vendor.NVIDIA and sku.sm < 89:
             return f"fp8 e4m3 weights need sm_89 or newer, device is {sku.arch}"
         if sku.vendor is Vendor.AMD and sku.arch != "gfx950":
             return (f"moetune's fp8 weights are e4m3fn (OCP); {sku.arch} computes e4m3fnuz "
@@ -162,10 +162,6 @@ class MoetuneDecodeKernel(BaseKernel):
 
 def _choices(name: str) -> tuple[int, ...]:
     return next(p.choices for p in MoetuneDecodeKernel.params if p.name == name)
-
-
-def _sm(sku: SKU) -> int:
-    return int(sku.arch.removeprefix("sm_")) if sku.arch.startswith("sm_") else 0
 
 
 def _pow2(n: int) -> int:
