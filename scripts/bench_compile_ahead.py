@@ -23,7 +23,8 @@ from pathlib import Path
 
 from moetune import db
 from moetune.runtime.platform import detect_sku, environment
-from moetune.tuner.job import BucketOutcome, JobOptions, run_job
+from moetune.tuner.bucket import BucketOutcome
+from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.presets import preset as get_preset
 from moetune.tuner.shapes import parse_buckets
 

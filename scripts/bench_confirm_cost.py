@@ -24,9 +24,10 @@ from pathlib import Path
 import torch
 
 from moetune.runtime.platform import detect_sku
-from moetune.tuner.job import BucketOutcome, JobOptions, run_job, source_commit
+from moetune.tuner.bucket import BucketOutcome
+from moetune.tuner.confirm import ALPHA, DISTURBED, MARGIN
+from moetune.tuner.job import JobOptions, run_job, source_commit
 from moetune.tuner.shapes import ShapeOptions, parse_buckets, resolve
-from moetune.tuner.study import ALPHA, DISTURBED, MARGIN
 
 #: Rounds of every finalist the previous rule timed, and nothing more.
 PREVIOUS_ROUNDS = 5

@@ -36,9 +36,9 @@ from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.rules import rule_choice
+from moetune.tuner.confirm import ALPHA, DISTURBED, MARGIN, confirm
 from moetune.tuner.job import source_commit
 from moetune.tuner.measure import Result, Status
-from moetune.tuner.study import ALPHA, DISTURBED, MARGIN, confirm
 from moetune.tuner.timing import Timing
 
 PREVIOUS_ROUNDS = 5

@@ -17,8 +17,8 @@ import pytest
 from moetune.runtime.kernels.base import BaseKernel, params_key
 from moetune.runtime.registry import KERNEL_PATHS, Registry
 from moetune.runtime.rules import rule_choice
+from moetune.tuner.confirm import MARGIN, confirm
 from moetune.tuner.measure import Measurer, Result, Status
-from moetune.tuner.study import MARGIN, confirm
 from moetune.tuner.timing import Timing, median_error, ratio_interval
 
 NOISE = ("jitter", "spikes", "busy", "drift")

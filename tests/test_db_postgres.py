@@ -139,7 +139,7 @@ def test_database_passwords_stay_out_of_the_table(new_database, monkeypatch):
 
 def test_a_bucket_another_job_is_tuning_is_left_to_it(new_database, cpu_sku):
     """Jobs on several hosts can all be given every bucket: each tunes the ones nobody holds."""
-    from moetune.tuner.job import claim_bucket
+    from moetune.tuner.bucket import claim_bucket
 
     url = new_database("claims")
     one, eight = (MoEProblem(m, **SHAPE) for m in (1, 8))

@@ -17,10 +17,11 @@ from moetune.runtime.kernels.vllm_cpu_experts import VllmCpuExpertsKernel
 from moetune.runtime.problem import MoEProblem, QuantScheme
 from moetune.runtime.registry import Registry, default_registry
 from moetune.runtime.rules import cpu_rule
+from moetune.tuner.confirm import confirm
 from moetune.tuner.gate import relative_error, tolerance
 from moetune.tuner.inputs import Routing, make_batch, make_weights
 from moetune.tuner.measure import Measurer, Status
-from moetune.tuner.study import confirm, search
+from moetune.tuner.search import search
 
 SCHEMES = [QuantScheme.FP8_PER_TENSOR, QuantScheme.FP8_PER_CHANNEL, QuantScheme.FP8_BLOCK_128X128]
 # H and I span two 128-blocks each, so block scales can be transposed or shifted by a block.

@@ -11,9 +11,10 @@ from moetune.runtime.kernels.torch_dense import TorchDenseKernel
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import KERNEL_PATHS, Registry
 from moetune.runtime.rules import rule_choice, rule_variants
+from moetune.tuner.confirm import confirm
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.measure import Measurer, Status
-from moetune.tuner.study import confirm, search
+from moetune.tuner.search import search
 
 
 class AnyDeviceKernel(BaseKernel):

@@ -24,7 +24,8 @@ from moetune.runtime.problem import Activation, DType, QuantScheme
 from moetune.runtime.registry import default_registry
 from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
-from moetune.tuner.job import BucketOutcome, JobOptions, run_job
+from moetune.tuner.bucket import BucketOutcome
+from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.shapes import ShapeOptions, parse_buckets, problems_from_misses, resolve
 
 # vLLM warns when its CPU kernels are first imported ("Triton is installed, but doesn't include

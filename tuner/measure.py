@@ -21,6 +21,8 @@ _ROTATE_BYTES = 256 << 20
 
 #: Outcome of one measurement: the table's own enum, so a result is stored as it is.
 Status = db.MeasurementStatus
+#: A candidate as results are keyed: ``(kernel, params_key(params))``.
+Key = tuple[str, str]
 
 
 @dataclasses.dataclass(frozen=True)

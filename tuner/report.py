@@ -14,7 +14,7 @@ from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
 from moetune.runtime.rules import rule_choice
-from moetune.tuner.job import BucketOutcome
+from moetune.tuner.bucket import BucketOutcome
 
 
 def winner_dicts(snapshot: db.TableSnapshot, sku: SKU) -> list[dict[str, Any]]:

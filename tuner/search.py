@@ -1,0 +1,134 @@
+"""One bucket's search: an Optuna study over (kernel, that kernel's parameters), asked in
+batches the compile pool builds ahead of timing, measured one candidate after another."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import optuna
+
+from moetune.errors import TuningError
+from moetune.runtime.kernels.base import BaseKernel, params_key
+from moetune.runtime.platform import SKU
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.rules import RuleChoice, rule_variants
+from moetune.tuner.measure import CandidateMeasurer, Key, Result, Status
+from moetune.tuner.precompile import CompilePool
+
+# Repeats and pruned configurations cost an ask but no budget; this bounds the asks.
+_MAX_ASKS_PER_TRIAL = 20
+# A candidate this many times slower than the best so far is timed only roughly.
+CUTOFF_FACTOR = 1.5
+
+
+def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidates: list[type[BaseKernel]],
+           *, trials: int, seed: int = 0, known: dict[Key, Result] | None = None,
+           storage: optuna.storages.BaseStorage | str | None = None,
+           compiler: CompilePool | None = None,
+           progress: Callable[[], None] | None = None) -> dict[Key, Result]:
+    """Measure up to ``trials`` distinct configurations chosen by an Optuna study.
+
+    The rule's pick is enqueued first, then every other kernel's seed configuration (so each
+    family is measured at least once at a sensible point before the sampler specializes); a
+    rule's pick outside the search space (a vLLM tuned-file config) is measured at the end.
+    Configurations pruned before running and repeats do not use up the budget.
+
+    With a ``compiler``, trials are asked in batches of its worker count (TPE with a constant
+    liar, so a batch spreads out); the batch's new JIT candidates are compiled in parallel,
+    then timed one after another. A candidate that fails there is recorded as failed.
+    A candidate whose first repetitions are ``CUTOFF_FACTOR`` times slower than the best so
+    far is not timed further: the ranking needs no precise time for it.
+
+    Args:
+        known: results measured earlier (a resumed job); they are told to Optuna, not re-timed.
+        progress: called after each trial (a progress bar's advance).
+
+    Returns:
+        Every distinct (kernel, params) tried, with its result.
+    """
+    names = [k.name for k in candidates]
+    variants = _variants(problem, sku, names)
+    rule = variants[0]
+    by_name = {k.name: k for k in candidates}
+    batch = compiler.workers if compiler else 1
+    sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(trials // 3, 1)),
+                                         constant_liar=batch > 1)
+    study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
+                                study_name=f"moetune:{problem.describe()}", load_if_exists=True)
+    starts = [(v.kernel, v.params) for v in variants] + [
+        (k.name, k.seed_params(problem, sku)) for k in candidates if k.name != rule.kernel]
+    for name, params in starts:  # the rule's pick may lie outside the space: measured anyway
+        if params is not None and by_name[name].searchable(params):
+            study.enqueue_trial({"kernel": name, **{f"{name}.{k}": v for k, v in params.items()}})
+    results: dict[Key, Result] = {}
+    known = known or {}
+    space = sum(k.space_size() for k in candidates)
+    measured, asks = 0, 0
+
+    def done(key: Key, result: Result) -> None:
+        nonlocal measured
+        results[key] = result
+        if result.status is not Status.PRUNED:
+            measured += 1
+            if progress:
+                progress()
+
+    while measured < trials and len(results) < space and asks < trials * _MAX_ASKS_PER_TRIAL:
+        waiting: list[tuple[optuna.Trial, Key]] = []  # told once their batch is measured
+        new: dict[Key, tuple[str, dict[str, Any]]] = {}
+        while (len(new) < min(batch, trials - measured) and len(results) + len(new) < space
+               and asks < trials * _MAX_ASKS_PER_TRIAL):
+            trial = study.ask()
+            asks += 1
+            kernel = by_name[trial.suggest_categorical("kernel", names)]
+            params = kernel.suggest(trial)
+            key = (kernel.name, params_key(params))
+            if key not in results and key not in new:
+                why = kernel.check_params(problem, params)
+                if key in known or why:
+                    done(key, known.get(key) or Result(kernel.name, params, Status.PRUNED,
+                                                       reason=why))
+                else:
+                    new[key] = (kernel.name, params)
+            if key in results:
+                _tell(study, trial, results[key])
+            else:
+                waiting.append((trial, key))
+        ahead = {key: c for key, c in new.items() if by_name[c[0]].compiles}
+        failed = dict(zip(ahead, compiler.compile(list(ahead.values())))) if compiler else {}
+        for key, (name, params) in new.items():
+            why = failed.get(key)
+            best = min((r.median_us for r in results.values() if r.status is Status.OK),
+                       default=None)
+            done(key, Result(name, params, Status.FAILED, reason=f"compiling ahead: {why}")
+                 if why else measurer.measure(
+                     name, params, None if best is None else best * CUTOFF_FACTOR))
+        for trial, key in waiting:
+            _tell(study, trial, results[key])
+    for variant in variants:  # the budget or a resumed study skipped it: always measure it
+        key = (variant.kernel, params_key(variant.params))
+        if key not in results:
+            results[key] = known.get(key) or measurer.measure(variant.kernel, variant.params)
+    return results
+
+
+def _variants(problem: MoEProblem, sku: SKU, names: list[str]) -> list[RuleChoice]:
+    """The rule variants to time: the rule's pick (which must be eligible), then every other
+    variant whose kernel is eligible here.
+
+    Raises:
+        TuningError: the rule's kernel is not among the candidates.
+    """
+    rule, *others = rule_variants(problem, sku)
+    if rule.kernel not in names:
+        raise TuningError(f"{problem.describe()}: the rule's kernel {rule.kernel} is not eligible")
+    return [rule] + [v for v in others if v.kernel in names]
+
+
+def _tell(study: optuna.Study, trial: optuna.Trial, result: Result) -> None:
+    if result.status is Status.OK:
+        study.tell(trial, result.median_us)
+    else:
+        state = optuna.trial.TrialState.PRUNED if result.status is Status.PRUNED else \
+            optuna.trial.TrialState.FAIL
+        study.tell(trial, state=state)
