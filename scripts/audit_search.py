@@ -193,8 +193,8 @@ def random_pairs(problem: MoEProblem, n: int, seed: int) -> list[dict[str, Any]]
 
 
 def cmd_time(args: argparse.Namespace) -> None:
-    from moetune.tuner.precompile import CompilePool
-    from moetune.tuner.worker import IsolatedMeasurer
+    from moetune.tuner.procs.compile_pool import CompilePool
+    from moetune.tuner.procs.measurer import IsolatedMeasurer
 
     deadline = time.monotonic() + args.deadline_s
     shape, _ = resolve(ShapeOptions(preset=args.preset))

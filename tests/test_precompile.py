@@ -16,9 +16,10 @@ from moetune.runtime.kernels.base import BaseKernel, Param
 from moetune.runtime.kernels.torch_dense import TorchDenseKernel
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
-from moetune.tuner import precompile
 from moetune.tuner.inputs import Routing, make_batch, make_weights
-from moetune.tuner.precompile import CompilePool, compile_inputs, fitting_workers, held_bytes
+from moetune.tuner.procs import compile_pool
+from moetune.tuner.procs.compile_pool import (CompilePool, compile_inputs, fitting_workers,
+                                              held_bytes)
 
 BIG = MoEProblem(4, 1024, 256, 64, 8, dtype="bfloat16", quant="fp8_block_128x128")
 
@@ -48,13 +49,14 @@ def test_a_kernel_runs_on_compile_inputs():
 
 
 def test_the_pool_fits_the_free_host_memory(monkeypatch, caplog):
-    monkeypatch.setattr(precompile, "_host_available", lambda: 5 * precompile.CHILD_HOST_BYTES)
+    monkeypatch.setattr(compile_pool, "_host_available",
+                        lambda: 5 * compile_pool.CHILD_HOST_BYTES)
     with caplog.at_level(logging.WARNING, logger="moetune"):
         assert fitting_workers(8, BIG, "cpu") == 4
     assert "4 compile workers instead of 8" in caplog.text
-    monkeypatch.setattr(precompile, "_host_available", lambda: 0)
+    monkeypatch.setattr(compile_pool, "_host_available", lambda: 0)
     assert fitting_workers(8, BIG, "cpu") == 1  # serial, never none
-    monkeypatch.setattr(precompile, "_host_available", lambda: None)
+    monkeypatch.setattr(compile_pool, "_host_available", lambda: None)
     assert fitting_workers(8, BIG, "cpu") == 8
 
 
@@ -117,7 +119,7 @@ def test_compile_inputs_give_the_binaries_the_measurer_loads(tmp_path):
         "from moetune.runtime.platform import detect_sku\n"
         "from moetune.runtime.rules import rule_choice\n"
         "from moetune.tuner.inputs import Routing, make_weights, make_batch\n"
-        "from moetune.tuner.precompile import compile_inputs\n"
+        "from moetune.tuner.procs.compile_pool import compile_inputs\n"
         "p = MoEProblem(64, 2048, 768, 128, 8, dtype='bfloat16')\n"
         "rule = rule_choice(p, detect_sku('cuda'))\n"
         "if sys.argv[1] == 'lean':\n"

@@ -142,7 +142,7 @@ class ProcessKillingKernel(AnyDeviceKernel):
 
 
 def test_isolated_worker_survives_a_candidate_that_kills_its_process(small_problem):
-    from moetune.tuner.worker import IsolatedMeasurer
+    from moetune.tuner.procs.measurer import IsolatedMeasurer
 
     reg = registry_with(ProcessKillingKernel)
     measurer = IsolatedMeasurer(small_problem, "cpu", reg, reps=2, timeout_s=120)
@@ -256,7 +256,7 @@ class JitLikeKernel(AnyDeviceKernel):
 
 
 def test_search_compiles_ahead_in_parallel_and_records_compile_failures(small_problem, cpu_sku):
-    from moetune.tuner.precompile import CompilePool
+    from moetune.tuner.procs.compile_pool import CompilePool
 
     reg = registry_with(JitLikeKernel)
     rule = reg.get(rule_choice(small_problem, cpu_sku).kernel)
@@ -349,7 +349,7 @@ def test_search_times_candidates_far_slower_than_the_best_only_roughly(small_pro
 
 def test_a_compile_pool_that_cannot_start_leaves_candidates_to_the_measurer(small_problem):
     """A pool worker that dies setting up (say its GPU is out of memory) blames no candidate."""
-    from moetune.tuner.precompile import CompilePool
+    from moetune.tuner.procs.compile_pool import CompilePool
 
     pool = CompilePool(small_problem, "no-such-device", Registry(), workers=1, timeout_s=120)
     try:

@@ -26,10 +26,10 @@ from moetune.runtime.registry import Registry
 from moetune.tuner.confirm import Decision, confirm
 from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Key, Measurer, Result
-from moetune.tuner.precompile import CompilePool
+from moetune.tuner.procs.compile_pool import CompilePool
+from moetune.tuner.procs.measurer import IsolatedMeasurer
 from moetune.tuner.search import search
 from moetune.tuner.timing import Timing
-from moetune.tuner.worker import IsolatedMeasurer
 
 
 @dataclasses.dataclass(frozen=True)

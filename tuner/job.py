@@ -24,9 +24,9 @@ from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
 from moetune.tuner.bucket import BucketOptions, BucketOutcome, Lane, tune_bucket
-from moetune.tuner.precompile import CompilePool
+from moetune.tuner.procs.compile_pool import CompilePool
+from moetune.tuner.procs.measurer import IsolatedMeasurer
 from moetune.tuner.roofline import Ceilings, measure_if_cuda
-from moetune.tuner.worker import IsolatedMeasurer
 
 logger = logging.getLogger(__name__)
 

@@ -13,7 +13,7 @@ from moetune.runtime.platform import SKU
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.rules import RuleChoice, rule_variants
 from moetune.tuner.measure import CandidateMeasurer, Key, Result, Status
-from moetune.tuner.precompile import CompilePool
+from moetune.tuner.procs.compile_pool import CompilePool
 
 # Repeats and pruned configurations cost an ask but no budget; this bounds the asks.
 _MAX_ASKS_PER_TRIAL = 20

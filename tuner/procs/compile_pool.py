@@ -30,16 +30,14 @@ import torch
 from moetune.runtime.kernels.base import MoEWeights
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
-from moetune.tuner.child import Child, StartFailed, context_healthy, use_device
 from moetune.tuner.inputs import Batch, Routing, make_batch, make_weights
 from moetune.tuner.measure import describe_exception
+from moetune.tuner.procs.child import Child, Died, StartFailed, context_healthy, use_device
+from moetune.tuner.procs.messages import Compile, Compiled, Ready, UseProblem
 
 logger = logging.getLogger("moetune")
 
 Candidate = tuple[str, dict[str, Any]]
-#: A compile child's reply when the candidate ran out of memory: the pool's footprint, not the
-#: candidate's fault (it is retried with fewer children, and finally by the measurer itself).
-OUT_OF_MEMORY = "out of memory in a compile worker"
 #: What a compile child holds besides its inputs, estimated: on the GPU a CUDA context and
 #: Triton's working memory; on the host torch, Triton and the CUDA libraries.
 CHILD_GPU_BYTES = 1 << 30
@@ -114,28 +112,27 @@ def _serve(conn: Connection, problem: MoEProblem, device: str, paths: dict[str, 
 
     use_device(device)
     weights, batch = inputs_for(problem)
-    conn.send("ready")
+    conn.send(Ready())
     while True:
         try:
-            op, arg = conn.recv()
+            request: UseProblem | Compile = conn.recv()
         except EOFError:
             return
-        if op == "problem":
-            problem = arg
+        if isinstance(request, UseProblem):
+            problem = request.problem
             weights, batch = inputs_for(problem)
-            conn.send((None, True))
+            conn.send(Ready())
             continue
-        kernel, params = arg
         try:
-            registry.get(kernel).prepare(problem, params, weights)(*batch.args())
+            registry.get(request.kernel).prepare(problem, request.params, weights)(*batch.args())
             if device.startswith("cuda"):
                 torch.cuda.synchronize()
-            conn.send((None, True))
-        except torch.OutOfMemoryError:
-            conn.send((OUT_OF_MEMORY, True))
+            conn.send(Compiled())
+        except torch.OutOfMemoryError:  # retried with fewer children, finally by the measurer
+            conn.send(Compiled(out_of_memory=True))
         except Exception as e:  # the candidate's failure: recorded, never raised
             healthy = context_healthy(device)
-            conn.send((describe_exception(e), healthy))
+            conn.send(Compiled(describe_exception(e), healthy=healthy))
             if not healthy:
                 return
 
@@ -161,9 +158,9 @@ class CompilePool:
             child.args = (problem, *child.args[1:])
         running = [c for c in self._children if c.alive]
         with concurrent.futures.ThreadPoolExecutor(max(len(running), 1)) as ex:
-            replies = list(ex.map(lambda c: c.call(("problem", problem)), running))
+            replies = list(ex.map(lambda c: c.call(UseProblem(problem)), running))
         for child, reply in zip(running, replies):
-            if reply is not None:  # it died setting up: the next call starts it afresh
+            if isinstance(reply, Died):  # it died setting up: the next call starts it afresh
                 child.close()
 
     def compile(self, candidates: list[Candidate]) -> list[str | None]:
@@ -181,8 +178,8 @@ class CompilePool:
         while todo:
             replies = self._run([candidates[i] for i in todo])
             for i, reply in zip(todo, replies):
-                failures[i] = None if reply == OUT_OF_MEMORY else reply
-            todo = [i for i, reply in zip(todo, replies) if reply == OUT_OF_MEMORY]
+                failures[i] = reply.failure
+            todo = [i for i, reply in zip(todo, replies) if reply.out_of_memory]
             if todo and self.workers == 1:
                 break
             if todo:
@@ -190,18 +187,23 @@ class CompilePool:
         self.seconds += time.perf_counter() - start
         return failures
 
-    def _run(self, candidates: list[Candidate]) -> list[str | None]:
+    def _run(self, candidates: list[Candidate]) -> list[Compiled]:
         free: queue.SimpleQueue[Child] = queue.SimpleQueue()
         for child in self._children:
             free.put(child)
 
-        def run(candidate: Candidate) -> str | None:
+        def run(candidate: Candidate) -> Compiled:
             child = free.get()
             try:
-                reply = child.call(("compile", candidate))
+                reply = child.call(Compile(*candidate))
             finally:
                 free.put(child)
-            return None if reply is None or isinstance(reply, StartFailed) else str(reply)
+            if isinstance(reply, StartFailed):  # not the candidate's fault: left to the measurer
+                return Compiled()
+            if isinstance(reply, Died):
+                return Compiled(str(reply))
+            assert isinstance(reply, Compiled)
+            return reply
 
         with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:
             return list(ex.map(run, candidates))

@@ -12,9 +12,10 @@ from typing import Any
 
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
-from moetune.tuner.child import Child, Died, context_healthy, use_device
 from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Measurer, Result, Status
+from moetune.tuner.procs.child import Child, Died, context_healthy, use_device
+from moetune.tuner.procs.messages import Measure, Measured, Ready, Retime, Retimed, UseProblem
 from moetune.tuner.timing import Timing
 
 
@@ -25,23 +26,24 @@ def _serve(conn: Connection, problem: MoEProblem, device: str, paths: dict[str, 
 
     use_device(device)
     measurer = measurer_for(problem)
-    conn.send("ready")
+    conn.send(Ready())
     while True:
         try:
-            op, arg, params, n = conn.recv()
+            request = conn.recv()
         except EOFError:
             return
-        if op == "problem":  # ``arg`` is the next problem
-            measurer = measurer_for(arg)
-            conn.send((None, True))
-        elif op == "measure":  # ``n`` is the cutoff
-            result = measurer.measure(arg, params, n)
-            healthy = result.status is not Status.FAILED or context_healthy(device)
-            conn.send((result, healthy))
-            if not healthy:
-                return
-        else:
-            conn.send((measurer.retime(arg, params, n), True))
+        match request:
+            case UseProblem():
+                measurer = measurer_for(request.problem)
+                conn.send(Ready())
+            case Measure():
+                result = measurer.measure(request.kernel, request.params, request.cutoff_us)
+                healthy = result.status is not Status.FAILED or context_healthy(device)
+                conn.send(Measured(result, healthy=healthy))
+                if not healthy:
+                    return
+            case Retime():
+                conn.send(Retimed(measurer.retime(request.kernel, request.params, request.reps)))
 
 
 class IsolatedMeasurer:
@@ -65,22 +67,24 @@ class IsolatedMeasurer:
         """
         self._child.args = (problem, *self._child.args[1:])
         if self._child.alive:
-            reply = self._child.call(("problem", problem, {}, 0))
-            if reply is not None:
+            reply = self._child.call(UseProblem(problem))
+            if isinstance(reply, Died):
                 raise RuntimeError(f"setting up {problem.describe()} failed: {reply}")
 
     def measure(self, kernel: str, params: dict[str, Any],
                 cutoff_us: float | None = None) -> Result:
-        reply = self._child.call(("measure", kernel, params, cutoff_us))
+        reply = self._child.call(Measure(kernel, params, cutoff_us))
         if isinstance(reply, Died):
             return Result(kernel, params, Status.FAILED, reason=str(reply))
-        return reply
+        assert isinstance(reply, Measured)
+        return reply.result
 
     def retime(self, kernel: str, params: dict[str, Any], reps: int) -> Timing:
-        reply = self._child.call(("retime", kernel, params, reps))
+        reply = self._child.call(Retime(kernel, params, reps))
         if isinstance(reply, Died):
             raise RuntimeError(f"re-timing {kernel} failed: {reply}")
-        return reply
+        assert isinstance(reply, Retimed)
+        return reply.timing
 
     def close(self) -> None:
         self._child.close()

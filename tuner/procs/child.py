@@ -2,8 +2,9 @@
 
 Measuring and compiling both run candidates outside the tuner's process, so a candidate that
 kills its process or corrupts the CUDA context (an illegal memory access poisons every later
-call) costs one result, not the job. The protocol: the child sends ``"ready"`` once set up, then
-answers each request with ``(reply, healthy)``; it exits by itself after an unhealthy reply.
+call) costs one result, not the job. The protocol (``messages``): the child sends ``Ready``
+once set up, then answers each request with one ``Reply``; it exits by itself after an
+unhealthy one.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import multiprocessing as mp
 from multiprocessing.connection import Connection
 from typing import Any, Callable
+
+from moetune.tuner.procs.messages import Ready, Reply, Request
 
 
 class Died(str):
@@ -37,7 +40,7 @@ class Child:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.is_alive()
 
-    def call(self, request: Any) -> Any:
+    def call(self, request: Request) -> Reply | Died:
         """The child's reply to ``request``, or a ``Died`` saying how it died (it is killed)."""
         if not self.alive:
             died = self._start()
@@ -47,8 +50,8 @@ class Child:
         try:
             self._conn.send(request)
             if self._conn.poll(self.timeout):
-                reply, healthy = self._conn.recv()
-                if not healthy:  # the child exits by itself; wait so the next call restarts it
+                reply: Reply = self._conn.recv()
+                if not reply.healthy:  # the child exits by itself; wait so the next call restarts
                     self._proc.join(timeout=30)
                 return reply
             why = f"timed out after {self.timeout:.0f}s"
@@ -81,7 +84,7 @@ class Child:
             child.close()
         self._conn = parent
         try:
-            if parent.poll(self.timeout) and parent.recv() == "ready":
+            if parent.poll(self.timeout) and isinstance(parent.recv(), Ready):
                 return None
         except EOFError:
             pass
