@@ -42,12 +42,14 @@ from moetune.db._tuning import (
     set_winner,
     start_run,
 )
+from moetune.db._writer import MeasurementRecord, TableWriter, WinnerEntry
 
 __all__ = [
     "HEAD_REVISION",
     "Base",
     "BucketRow",
     "Measurement",
+    "MeasurementRecord",
     "MeasurementStatus",
     "MergeConflict",
     "MergeReport",
@@ -56,8 +58,10 @@ __all__ = [
     "SkuRow",
     "TableFile",
     "TableSnapshot",
+    "TableWriter",
     "TuningRun",
     "WinnerReader",
+    "WinnerEntry",
     "WinnerRecord",
     "WinnerRow",
     "add_measurement",

@@ -144,7 +144,7 @@ def test_a_bucket_another_job_is_tuning_is_left_to_it(new_database, cpu_sku):
     url = new_database("claims")
     one, eight = (MoEProblem(m, **SHAPE) for m in (1, 8))
     opts = JobOptions(device="cpu", trials=3, reps=2)
-    with claim_bucket(url, cpu_sku, eight) as held:  # another job is tuning bucket 8
+    with claim_bucket(db.TableWriter(url), cpu_sku, eight) as held:  # another job tunes 8
         assert held
         first = run_job([one, eight], url, cpu_sku, opts)
     assert first[0].decision is not None and first[1].skipped == "another job is tuning it"

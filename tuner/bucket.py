@@ -11,9 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import threading
 import time
-from pathlib import Path
 from typing import Callable
 
 from moetune import db
@@ -65,46 +63,44 @@ class BucketOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class Lane:
-    """Where a bucket is tuned: the device (named when the job has several), its measuring
-    child and compile pool (reused across buckets), and the lock that serializes writes."""
+    """Where a bucket is tuned: the device (named when the job has several), and its measuring
+    child and compile pool (reused across buckets)."""
 
     device: str
     worker: IsolatedMeasurer | None
     pool: CompilePool | None
-    writing: threading.Lock
 
 
-def claim_bucket(output: Path | str, sku: SKU,
+def claim_bucket(writer: db.TableWriter, sku: SKU,
                  problem: MoEProblem) -> contextlib.AbstractContextManager[bool]:
-    """The claim a job holds on ``problem``'s bucket of ``sku`` in ``output`` while tuning it:
-    jobs given the same buckets of one table (a file, or a database several hosts share) share
-    them out this way."""
-    name = f"moetune bucket {sku.vendor.value}:{sku.name}:{sku.arch} {problem.describe()}"
-    return db.claim_in(output, name)
+    """The claim a job holds on ``problem``'s bucket of ``sku`` in the writer's table while
+    tuning it: jobs given the same buckets of one table (a file, or a database several hosts
+    share) share them out this way."""
+    return writer.claim(f"moetune bucket {sku.vendor.value}:{sku.name}:{sku.arch} "
+                        f"{problem.describe()}")
 
 
-def tune_bucket(problem: MoEProblem, output: Path | str, sku: SKU, opts: BucketOptions,
+def tune_bucket(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: BucketOptions,
                 registry: Registry, run_id: int, on_trial: Callable[[], None] | None,
                 lane: Lane) -> BucketOutcome:
-    """Tune ``problem`` into ``output`` as part of run ``run_id``, unless another job holds its
-    claim or (``opts.skip_tuned``) the table already has a winner serving would use."""
-    with claim_bucket(output, sku, problem) as mine:
+    """Tune ``problem`` into the writer's table as part of run ``run_id``, unless another job
+    holds its claim or (``opts.skip_tuned``) the table already has a winner serving would use."""
+    with claim_bucket(writer, sku, problem) as mine:
         if not mine:
             return BucketOutcome(problem, None, 0, 0, device=lane.device,
                                  skipped="another job is tuning it")
-        done = _current_winner(output, sku, problem) if opts.skip_tuned else None
+        done = _current_winner(writer, sku, problem) if opts.skip_tuned else None
         if done is not None:
             return BucketOutcome(problem, None, 0, 0, device=lane.device,
                                  skipped=f"already tuned (run {done.run_id}: {done.kernel})")
-        return _tune_claimed(problem, output, sku, opts, registry, run_id, on_trial, lane)
+        return _tune_claimed(problem, writer, sku, opts, registry, run_id, on_trial, lane)
 
 
-def _current_winner(output: Path | str, sku: SKU, problem: MoEProblem) -> db.WinnerRecord | None:
+def _current_winner(writer: db.TableWriter, sku: SKU,
+                    problem: MoEProblem) -> db.WinnerRecord | None:
     """The table's measured winner for ``problem`` on ``sku`` if serving would use it here
     (today's rule is among the baselines it was timed against), else None."""
-    if not db.is_url(output) and not Path(output).exists():
-        return None
-    for row in db.read_winners(output).rows:
+    for row in writer.winners():
         if row.source != "measured":
             continue
         verdict = row_verdict(row, sku)
@@ -113,12 +109,12 @@ def _current_winner(output: Path | str, sku: SKU, problem: MoEProblem) -> db.Win
     return None
 
 
-def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: BucketOptions,
+def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: BucketOptions,
                   registry: Registry, run_id: int, on_trial: Callable[[], None] | None,
                   lane: Lane) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     worker, pool = lane.worker, lane.pool
-    known, measured_by = _known_results(output, sku, problem)
+    known, measured_by = _known_results(writer, sku, problem)
     start = time.perf_counter()
     compiled_before = pool.seconds if pool else 0.0
     try:
@@ -144,41 +140,31 @@ def _tune_claimed(problem: MoEProblem, output: Path | str, sku: SKU, opts: Bucke
                "timing": sum(r.timing_s for r in fresh),
                "confirm": end - confirming, "total": end - start}
     w, wt, bt = decision.winner, decision.winner_timing, decision.baseline_timing
-    with lane.writing, db.write_table(output) as table, table.session() as s:
-        run = db.get_run(s, run_id)
-        bucket = db.get_or_create_bucket(s, **problem.to_row())
-        for r in fresh:
-            t = r.timing
-            db.add_measurement(s, run, bucket, r.kernel, r.params,
-                               t.median_us if t else None, t.p20_us if t else None,
-                               t.p80_us if t else None, t.samples if t else 0, r.error,
-                               r.status, r.reason)
-        found_by = db.get_run(s, measured_by.get((w.kernel, params_key(w.params)), run_id))
-        db.set_winner(s, db.get_or_create_sku(s, **sku.to_row()), bucket, found_by, w.kernel,
-                      w.params, wt.median_us, wt.p20_us, wt.p80_us, w.error,
-                      decision.baseline.kernel, decision.baseline.params, bt.median_us,
-                      baselines=[b.to_row() for b in decision.baselines])
+    winner = db.WinnerEntry(w.kernel, w.params, wt.median_us, wt.p20_us, wt.p80_us, w.error,
+                            decision.baseline.kernel, decision.baseline.params, bt.median_us,
+                            baselines=[b.to_row() for b in decision.baselines])
+    writer.publish_bucket(run_id, sku.to_row(), problem.to_row(), [_record(r) for r in fresh],
+                          winner, found_by=measured_by.get((w.kernel, params_key(w.params))))
     return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds,
                          device=lane.device)
 
 
-def _known_results(output: Path | str, sku: SKU,
+def _record(r: Result) -> db.MeasurementRecord:
+    t = r.timing
+    return db.MeasurementRecord(r.kernel, r.params, r.status, t.median_us if t else None,
+                                t.p20_us if t else None, t.p80_us if t else None,
+                                t.samples if t else 0, r.error, r.reason)
+
+
+def _known_results(writer: db.TableWriter, sku: SKU,
                    problem: MoEProblem) -> tuple[dict[Key, Result], dict[Key, int]]:
-    """Measurements earlier runs (this job's included) left in ``output`` for this bucket, and
-    the run that made each. Read-only: another job may be replacing the file meanwhile."""
-    if not db.is_url(output) and not Path(output).exists():
-        return {}, {}
-    with db.open_table(output) as table, table.session() as s:
-        sku_row = db.find_sku(s, vendor=sku.vendor.value, name=sku.name, arch=sku.arch,
-                              compute_units=sku.compute_units)
-        bucket = db.find_bucket(s, **problem.to_row())
-        rows = db.measured(s, sku_row, bucket) if sku_row and bucket else {}
-        known, runs = {}, {}
-        for (kernel, pkey), m in rows.items():
-            timing = None
-            if m.median_us is not None:
-                timing = Timing(m.median_us, m.p20_us, m.p80_us, m.samples, "stored")
-            known[(kernel, pkey)] = Result(kernel, db.load_json(m.params), m.status,
-                                           timing, m.error, m.reason)
-            runs[(kernel, pkey)] = m.run_id
-        return known, runs
+    """Measurements earlier runs (this job's included) left in the table for this bucket, and
+    the run that made each."""
+    known, runs = {}, {}
+    for key, m in writer.measurements(sku.to_row(), problem.to_row()).items():
+        timing = None
+        if m.median_us is not None:
+            timing = Timing(m.median_us, m.p20_us, m.p80_us, m.samples, "stored")
+        known[key] = Result(m.kernel, m.params, m.status, timing, m.error, m.reason)
+        runs[key] = m.run_id
+    return known, runs

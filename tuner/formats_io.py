@@ -115,6 +115,13 @@ class ImportedWinner:
                                self.median_us, self.median_us, self.median_us, None,
                                self.kernel, baseline, None, None, 0, self.source)
 
+    def entry(self) -> db.WinnerEntry:
+        """The row as ``_write`` sets it: the source's time as all three, no baseline time."""
+        baseline = self.params if self.baseline_params is None else self.baseline_params
+        return db.WinnerEntry(self.kernel, self.params, self.median_us, self.median_us,
+                              self.median_us, None, self.kernel, baseline, None,
+                              source=self.source)
+
 
 def keep_fastest(winners: list[ImportedWinner], report: FormatReport) -> list[ImportedWinner]:
     """One winner per (device, bucket): the fastest; the others are counted as duplicates."""
@@ -219,17 +226,6 @@ def _reuse_sku(w: ImportedWinner, existing: dict[tuple[str, str, str], dict[str,
 
 
 def _write(winners: list[ImportedWinner], path: Path, env: dict[str, Any], command: str) -> None:
-    with db.write_table(path) as table, table.session() as s:
-        runs: dict[SKU, tuple[db.SkuRow, db.TuningRun]] = {}
-        for w in winners:
-            if w.sku not in runs:
-                sku_row = db.get_or_create_sku(s, w.sku.vendor.value, w.sku.name, w.sku.arch,
-                                               w.sku.compute_units, w.sku.memory_bytes)
-                runs[w.sku] = sku_row, db.start_run(s, sku_row, env, command, None, None)
-            sku_row, run = runs[w.sku]
-            bucket = db.get_or_create_bucket(s, **w.problem.to_row())
-            baseline = w.params if w.baseline_params is None else w.baseline_params
-            db.set_winner(s, sku_row, bucket, run, w.kernel, w.params, w.median_us, w.median_us,
-                          w.median_us, None, w.kernel, baseline, None, source=w.source)
-        for _, run in runs.values():
-            db.finish_run(s, run, db.RunStatus.FINISHED)
+    db.TableWriter(path).import_winners(
+        [(w.sku.to_row(), w.problem.to_row(), w.entry()) for w in winners],
+        environment=env, command=command)

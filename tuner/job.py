@@ -15,7 +15,6 @@ import os
 import queue
 import subprocess
 import sys
-import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -83,10 +82,6 @@ def _command_line() -> str:
     return " ".join(db.display_url(a) if db.is_url(a) else a for a in sys.argv)
 
 
-def _sku_row(session: object, sku: SKU) -> db.SkuRow:
-    return db.get_or_create_sku(session, **sku.to_row())
-
-
 def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: JobOptions, *,
             registry: Registry = default_registry,
             on_bucket: Callable[[BucketOutcome], None] | None = None,
@@ -96,22 +91,22 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
     """Tune every problem (already bucketed) and write winners to ``output``.
 
     With several ``opts.devices`` each takes the next bucket when it is done with one; writes
-    to ``output`` are serialized. A bucket whose baseline fails is reported in its outcome and
-    the job goes on; the run is marked failed if any bucket failed. The run records the
-    device's ceilings, ``measure_ceilings(first device)`` (measured on CUDA, none on the CPU).
+    to ``output`` are serialized (they go through one ``db.TableWriter``). A bucket whose
+    baseline fails is reported in its outcome and the job goes on; the run is marked failed if
+    any bucket failed. The run records the device's ceilings, ``measure_ceilings(first
+    device)`` (measured on CUDA, none on the CPU).
     """
     ceilings = _ceilings(measure_ceilings, opts.lanes[0])
-    with db.write_table(output) as table, table.session() as s:
-        run_id = db.start_run(s, _sku_row(s, sku), environment=environment(),
-                              command=_command_line(), commit=source_commit(),
+    writer = db.TableWriter(output)
+    run_id = writer.start_run(sku.to_row(), environment=environment(), command=_command_line(),
+                              commit=source_commit(),
                               driver=environment().get("cuda") or environment().get("hip"),
-                              ceilings=ceilings).id
+                              ceilings=ceilings)
     problems = list(problems)
     outcomes: list[BucketOutcome | None] = [None] * len(problems)
     todo: queue.SimpleQueue[int] = queue.SimpleQueue()
     for i in range(len(problems)):
         todo.put(i)
-    writing = threading.Lock()
 
     def lane(device: str) -> None:
         worker = IsolatedMeasurer(problems[0], device, registry, routing=opts.routing,
@@ -124,8 +119,8 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
                     i = todo.get_nowait()
                 except queue.Empty:
                     return
-                outcome = tune_bucket(problems[i], output, sku, opts, registry, run_id, on_trial,
-                                      Lane(device if opts.devices else "", worker, pool, writing))
+                outcome = tune_bucket(problems[i], writer, sku, opts, registry, run_id, on_trial,
+                                      Lane(device if opts.devices else "", worker, pool))
                 outcomes[i] = outcome
                 if on_bucket:
                     on_bucket(outcome)
@@ -140,8 +135,7 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
                 done.result()
     finished = [o for o in outcomes if o is not None]
     status = db.RunStatus.FAILED if any(o.error for o in finished) else db.RunStatus.FINISHED
-    with db.write_table(output) as table, table.session() as s:
-        db.finish_run(s, db.get_run(s, run_id), status)
+    writer.finish_run(run_id, status)
     return finished
 
 
