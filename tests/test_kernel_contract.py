@@ -22,7 +22,7 @@ import torch
 from moetune.runtime.kernels.base import BaseKernel
 from moetune.runtime.platform import SKU, detect_sku
 from moetune.runtime.problem import MoEProblem
-from moetune.runtime.registry import default_registry
+from moetune.runtime.registry import KERNEL_PATHS, default_registry
 from moetune.tuner.gate import relative_error, tolerance
 from moetune.tuner.inputs import make_batch, make_weights
 
@@ -76,6 +76,13 @@ def test_every_registered_kernel_matches_the_reference_or_says_why_not(name, sku
         assert got.shape == batch.x.shape and got.dtype == batch.x.dtype, problem.describe()
         error = relative_error(got, want)
         assert error <= tolerance(problem, DEVICE), (problem.describe(), params, error)
+
+
+def test_every_kernel_path_names_its_class():
+    """Tables and worker processes find a kernel by its path (``module:Class``)."""
+    for name, path in KERNEL_PATHS.items():
+        kernel = default_registry.get(name)
+        assert kernel.name == name and f"{kernel.__module__}:{kernel.__qualname__}" == path
 
 
 def test_the_reference_and_the_rules_kernels_run_here(sku):

@@ -44,7 +44,8 @@ def test_cpu_rule_is_vllms_own_kernel_when_vllm_runs_the_layer(problem, cpu_sku)
     (dict(gated=False), "gated (act-and-mul) layers only"),
     (dict(router_weight_on_input=True), "top-1 routing only"),
     (dict(hidden_size=100), "hidden divisible by 32"),
-    (dict(quant="fp8_per_tensor", dtype="bfloat16"), "no CPU MoE kernel for fp8_per_tensor"),
+    (dict(quant="fp8_per_tensor", dtype="bfloat16"),
+     "fp8_per_tensor not supported (none, fp8_block_128x128 only)"),
 ])
 def test_cpu_rule_falls_back_to_the_torch_loop_where_vllm_cannot_run_it(changes, why, cpu_sku):
     choice = rule_choice(dataclasses.replace(SMALL, **changes), cpu_sku)
@@ -60,7 +61,7 @@ def test_cpu_rule_without_vllm_is_the_torch_loop_and_says_why(cpu_sku, monkeypat
 
 def test_vllm_cpu_kernel_is_not_eligible_off_the_cpu():
     ok, why = vllm_cpu_experts.VllmCpuExpertsKernel.supports(SMALL, ROCM)
-    assert not ok and "CPU only" in why
+    assert not ok and "needs the CPU" in why
 
 
 @pytest.mark.parametrize("changes,kernel", [

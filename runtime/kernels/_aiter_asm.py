@@ -13,7 +13,6 @@ hands plain e4m3fn ones, which ``aiter_weights`` converts once, outside the time
 from __future__ import annotations
 
 import importlib
-import importlib.util
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -37,15 +36,20 @@ class BaseAiterKernel(BaseKernel):
     """An aiter ROCm MoE kernel: gated layers, bf16/fp16 activations, shuffled weights.
 
     MUST set: ``name``, ``aiter_call``, ``quants``, ``prepare``.
-    MAY set: ``arches``, ``dtypes``, ``activations``; MAY override ``_supports_routing``.
+    MAY set the other capability fields (``amd_archs``, ``dtypes``, ...); MAY override
+    ``_supports_routing``.
     """
 
     layout = WeightLayout.AITER_SHUFFLED
     aiter_call: ClassVar[AiterCall]
-    arches: ClassVar[tuple[str, ...]] = AITER_ARCHES
-    quants: ClassVar[frozenset[QuantScheme]]
-    dtypes: ClassVar[frozenset[DType]] = frozenset({DType.BFLOAT16, DType.FLOAT16})
-    activations: ClassVar[frozenset[Activation]] = frozenset({Activation.SILU, Activation.GELU})
+    vendors = frozenset({Vendor.AMD})
+    amd_archs = AITER_ARCHES
+    requires = ("aiter",)
+    dtypes = frozenset({DType.BFLOAT16, DType.FLOAT16})
+    activations = frozenset({Activation.SILU, Activation.GELU})
+    gated = True  # as vLLM's AiterExperts
+    # shuffle_weight tiles (16 rows x 32 columns) of both weight matrices.
+    hidden_align = intermediate_align = 32
 
     @classmethod
     def aiter_calls(cls) -> tuple[AiterCall, ...]:
@@ -56,36 +60,12 @@ class BaseAiterKernel(BaseKernel):
     def unsupported(cls, problem: MoEProblem, sku: SKU) -> str | None:
         """Why ``sku`` cannot run ``problem`` with this kernel whatever this machine has
         installed (what an imported table row is checked against), or None."""
-        if sku.vendor is not Vendor.AMD or sku.arch not in cls.arches:
-            return f"needs an AMD {' or '.join(cls.arches)} GPU, device is {sku.label()}"
-        return cls._supports_quant(problem, sku) or cls._supports_problem(problem, sku)
-
-    @classmethod
-    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if sku.vendor is not Vendor.AMD or sku.arch not in cls.arches:
-            return f"needs an AMD {' or '.join(cls.arches)} GPU, device is {sku.label()}"
-        if importlib.util.find_spec("aiter") is None:
-            return "amd-aiter is not installed"
-        return None
-
-    @classmethod
-    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.quant not in cls.quants:
-            return f"quant scheme {problem.quant.value} not supported"
-        return None
+        return (cls._supports_sku(sku) or cls._supports_quant(problem, sku)
+                or cls._supports_problem(problem, sku))
 
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if not problem.gated:
-            return "gated (act-and-mul) layers only, as vLLM's AiterExperts"
-        if problem.dtype not in cls.dtypes:
-            return f"dtype {problem.dtype.value} not supported"
-        if problem.activation not in cls.activations:
-            return f"activation {problem.activation.value} not supported"
-        # shuffle_weight tiles (16 rows x 32 columns) of both weight matrices.
-        if problem.hidden_size % 32 or problem.intermediate_size % 32:
-            return "shuffled weights need hidden and intermediate sizes divisible by 32"
-        return cls._supports_routing(problem)
+        return super()._supports_problem(problem, sku) or cls._supports_routing(problem)
 
     @classmethod
     def _supports_routing(cls, problem: MoEProblem) -> str | None:

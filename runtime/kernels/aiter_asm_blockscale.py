@@ -15,7 +15,6 @@ import torch
 from moetune.runtime.kernels._aiter_asm import (
     AiterCall, BaseAiterKernel, aiter_function, aiter_weights)
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
-from moetune.runtime.platform import SKU
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 
 BLOCK_SHAPE = (128, 128)
@@ -25,24 +24,14 @@ class AiterAsmBlockscaleKernel(BaseAiterKernel):
     """Block-scaled fp8, bfloat16, gated SiLU, on gfx942."""
 
     name = "aiter_asm_blockscale"
-    arches = ("gfx942",)
+    amd_archs = ("gfx942",)
     quants = frozenset({QuantScheme.FP8_BLOCK_128X128})
     dtypes = frozenset({DType.BFLOAT16})
     activations = frozenset({Activation.SILU})
+    router_weight_on_input = False
+    intermediate_align = 256  # the blockscale kernel's tile of I
     aiter_call: AiterCall = ("aiter.fused_moe_bf16_asm", "asm_moe",
                              ("fc1_scale", "fc2_scale", "block_shape"))
-
-    @classmethod
-    def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.intermediate_size % 256:
-            return "the blockscale kernel tiles the intermediate size by 256"
-        return super()._supports_problem(problem, sku)
-
-    @classmethod
-    def _supports_routing(cls, problem: MoEProblem) -> str | None:
-        if problem.router_weight_on_input:
-            return "router weight on input is not supported with block-scaled fp8"
-        return None
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:

@@ -1,13 +1,26 @@
 """vLLM's fused-MoE Triton GEMM as aiter ships it (``moe_op.fused_moe``), called twice with the
 activation between: the kernel vLLM runs on CUDA, and the one the CUDA rule picks.
 
-The ``aiter_triton*`` kernels share this class: eligibility, activation quantization and the
-second GEMM with its top-k reduce. Subclasses change the parameters and the first stage.
+Its variants are the table at the end of this module. Each differs from it in three choices:
+
+* a config per GEMM: vLLM runs GEMM1 (M x 2I x H) and GEMM2 (M x H x I) with one config
+  although their shapes differ by far; SGLang tunes them apart. Parameters are prefixed ``g1_``
+  and ``g2_``; when the two BLOCK_SIZE_M differ the routing is aligned once per GEMM.
+* what GEMM1 fuses into its epilogue (``Gemm1``): nothing (the activation is a torch op), gated
+  SiLU-and-mul (aiter's ``moe_op_silu_fused``) or ungated GELU (``moe_op_gelu``): one pass less
+  over the (M * topk, 2I) intermediate; each computes only some layers, declared with it.
+* persistent launches: a grid of twice the SM count whose programs loop over the output tiles,
+  instead of one program per tile. It saves launch and tail cost when tiles far outnumber SMs;
+  the search decides where that pays.
+
+Every variant shares the device rules, activation quantization and the second GEMM with its
+top-k reduce.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import inspect
 from typing import TYPE_CHECKING, Any, Callable, ClassVar
@@ -15,19 +28,58 @@ from typing import TYPE_CHECKING, Any, Callable, ClassVar
 import torch
 
 from moetune.runtime import aiter_loader
+from moetune.runtime.kernels._interpreter import interpreter_reason
 from moetune.runtime.kernels._math import activate
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.kernels.triton_config import (
-    QUANT_BLOCK, check_config, config_of, config_params)
+    QUANT_BLOCK, check_config, config_of, config_params, with_prefix)
 from moetune.runtime.vllm.configs import vllm_config
 from moetune.runtime.platform import SKU, Vendor
-from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 
 if TYPE_CHECKING:  # _align imports triton, which CPU-only installs lack
     from moetune.runtime.kernels._align import Routing
 
 #: ``stage(x, topk_weights, topk_ids, routing) -> activated intermediate (M * topk, I)``.
 Stage = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "Routing"], torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Gemm1:
+    """GEMM1 of a variant: an aiter function (``module`` is an ``aiter_loader`` key).
+
+    ``fused``: the activation is in its epilogue, so it writes the activated (M * topk, I);
+    otherwise it writes (M * topk, N) and a torch op activates that. ``flat``: its output is
+    2-D (M * topk, ...) rather than (M, topk, ...). ``limits``: the layers it computes, as
+    ``BaseKernel`` capability fields.
+    """
+
+    module: str
+    function: str
+    doc: str
+    fused: bool = False
+    flat: bool = False
+    limits: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+UNFUSED = Gemm1("moe_op", "fused_moe", "the activation a separate torch op")
+#: The kernel interleaves gate and up columns inside each N tile and writes BLOCK_SIZE_N / 2
+#: activated columns into a 2-D (M * topk, I) output, indexed by the flat (token * topk + slot)
+#: id (``stride_cm`` is the output's first stride). A 3-D (M, topk, I) output makes those rows
+#: stride ``topk`` times too far: the illegal memory access once seen on an H200.
+SILU_FUSED = Gemm1("silu_fused", "fused_moe_silu", "gated SiLU fused into GEMM1", fused=True,
+                   flat=True, limits={"activations": frozenset({Activation.SILU}), "gated": True})
+#: What aiter's kernel computes decides what is eligible: GELU of the whole output (ungated
+#: layers), tanh-approximated (~2e-4 from exact GELU: beyond the float32 gate's 1e-4, so float16
+#: and bfloat16 only); it skips the GELU when it multiplies the router weight, so
+#: router-weight-on-input layers cannot use it; per-tensor fp8 quantizes activations to ROCm's
+#: e4m3fnuz; and it swaps the block shape's (n, k), so only square scale blocks are right.
+GELU_FUSED = Gemm1("gelu", "fused_moe_gelu", "ungated GELU fused into GEMM1", fused=True,
+                   limits={"activations": frozenset({Activation.GELU}), "gated": False,
+                           "router_weight_on_input": False,
+                           "dtypes": frozenset({DType.FLOAT16, DType.BFLOAT16}),
+                           "quants": frozenset({QuantScheme.NONE,
+                                                QuantScheme.FP8_BLOCK_128X128})})
 
 
 class AiterTritonKernel(BaseKernel):
@@ -37,40 +89,33 @@ class AiterTritonKernel(BaseKernel):
     params = config_params()
     graph_safe = True  # routing by ``_align`` (no host sync), Triton launches sized by shapes
     compiles = True
+    min_sm = 80
+    quants = frozenset(QuantScheme)
     #: The aiter modules a kernel runs (keys of ``aiter_loader.MODULES``).
     modules: ClassVar[tuple[str, ...]] = ("moe_op",)
-    quants: ClassVar[frozenset[QuantScheme]] = frozenset(QuantScheme)
+    gemm1: ClassVar[Gemm1] = UNFUSED
+    #: A Triton config per GEMM (parameters ``g1_*`` and ``g2_*``) instead of one for both.
+    split: ClassVar[bool] = False
     #: Launch aiter's persistent kernels (a grid of 2 x SM count looping over tiles) instead.
     persistent: ClassVar[bool] = False
 
     # --- eligibility -------------------------------------------------------------------------
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        reason = super()._supports_device(problem, sku)
+        if reason:
+            return reason
         for module in cls.modules:
             loaded = aiter_loader.load(module)
             if loaded.module is None:
                 return loaded.reason
-        interpret = aiter_loader.load(cls.modules[0]).interpret
-        if sku.vendor is Vendor.CPU:
-            if cls.persistent:
-                return "aiter's persistent launch sizes its grid by the GPU's SM count"
-            if not interpret:
-                return "Triton kernels need a GPU (TRITON_INTERPRET=1 runs them slowly on CPU)"
-            if problem.dtype is DType.BFLOAT16:
-                return "Triton's CPU interpreter computes bfloat16 wrong (numpy has no bfloat16)"
-            return None
-        if interpret:
-            return "TRITON_INTERPRET=1 was set when aiter loaded: kernels would run interpreted"
-        if sku.vendor is Vendor.NVIDIA and sku.sm < 80:
-            return f"aiter's Triton MoE needs sm_80 or newer, device is {sku.arch}"
-        return None
+        return interpreter_reason(problem, sku, aiter_loader.load(cls.modules[0]).interpret)
 
     @classmethod
     def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.quant not in cls.quants:
-            return f"quant scheme {problem.quant.value} not supported"
-        if not problem.quant.is_fp8:
-            return None
+        reason = super()._supports_quant(problem, sku)
+        if reason or not problem.quant.is_fp8:
+            return reason
         if sku.vendor is not Vendor.NVIDIA:
             return "fp8 runs on NVIDIA only here (ROCm's gfx942 needs e4m3fnuz, the interpreter has no fp8)"
         if sku.sm < 89:
@@ -81,13 +126,16 @@ class AiterTritonKernel(BaseKernel):
     @classmethod
     def configs(cls, params: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
         """The Triton configs of GEMM1 and GEMM2."""
+        if cls.split:
+            return config_of(params, "g1_"), config_of(params, "g2_")
         config = config_of(params)
         return config, config
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
         """vLLM's config (the CUDA rule's), so each family starts where serving is."""
-        return vllm_config(problem, sku)[0]
+        config = vllm_config(problem, sku)[0]
+        return with_prefix(config, "g1_") | with_prefix(config, "g2_") if cls.split else config
 
     @classmethod
     def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
@@ -103,7 +151,7 @@ class AiterTritonKernel(BaseKernel):
         from moetune.runtime.kernels._align import align
 
         config1, config2 = cls.configs(params)
-        first = cls.first_stage(problem, weights, config1)
+        first = _first_stage(cls.gemm1, problem, weights, config1, cls.persistent)
         moe_op = aiter_loader.load("moe_op").module
         gemm2 = bind_gemm(moe_op.fused_moe, problem, weights.w2, weights.w2_scale, config2,
                           persistent=cls.persistent)
@@ -122,23 +170,25 @@ class AiterTritonKernel(BaseKernel):
 
         return run
 
-    @classmethod
-    def first_stage(cls, problem: MoEProblem, weights: MoEWeights, config: dict[str, int]) -> Stage:
-        """GEMM1 then the activation as a torch op (any activation, gated or not)."""
-        moe_op = aiter_loader.load("moe_op").module
-        gemm1 = bind_gemm(moe_op.fused_moe, problem, weights.w13, weights.w13_scale, config,
-                          persistent=cls.persistent)
-        n = weights.w13.shape[1]
-        on_input = problem.router_weight_on_input
 
-        def stage(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                  routing: Routing) -> torch.Tensor:
-            m, topk = topk_ids.shape
-            h = x.new_empty(m, topk, n)
-            gemm1(x, h, topk_weights, topk_ids, routing, on_input, topk)
-            return activate(h.view(m * topk, n), problem)
+def _first_stage(gemm1: Gemm1, problem: MoEProblem, weights: MoEWeights, config: dict[str, int],
+                persistent: bool) -> Stage:
+    """GEMM1, then the activation as a torch op unless GEMM1 fuses it (any activation then,
+    gated or not)."""
+    fn = getattr(aiter_loader.load(gemm1.module).module, gemm1.function)
+    gemm = bind_gemm(fn, problem, weights.w13, weights.w13_scale, config, persistent=persistent)
+    width = weights.w2.shape[2] if gemm1.fused else weights.w13.shape[1]
+    on_input = problem.router_weight_on_input
 
-        return stage
+    def stage(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              routing: Routing) -> torch.Tensor:
+        m, topk = topk_ids.shape
+        h = x.new_empty((m * topk, width) if gemm1.flat else (m, topk, width))
+        gemm(x, h, topk_weights, topk_ids, routing, on_input, topk)
+        h = h.view(m * topk, width)
+        return h if gemm1.fused else activate(h, problem)
+
+    return stage
 
 
 def bind_gemm(fn: Callable[..., Any], problem: MoEProblem, w: torch.Tensor,
@@ -221,3 +271,32 @@ def _persistent_flag(fn: Callable[..., Any],
 
 def _no_quant(a: torch.Tensor) -> tuple[torch.Tensor, None]:
     return a, None
+
+
+_SPLIT_PARAMS = config_params("g1_") + config_params("g2_")
+
+
+def _variant(name: str, gemm1: Gemm1, *, persistent: bool) -> type[AiterTritonKernel]:
+    """``aiter_triton`` with a config per GEMM, ``gemm1``, and persistent launches or not, as a
+    class named after ``name`` (``aiter_triton_silu_fused``: ``AiterTritonSiluFusedKernel``)."""
+    doc = f"A config per GEMM; {gemm1.doc}{'; both GEMMs persistent' if persistent else ''}."
+    fields: dict[str, Any] = {
+        "__module__": __name__, "__doc__": doc, "name": name, "params": _SPLIT_PARAMS,
+        "split": True, "gemm1": gemm1, "persistent": persistent,
+        "modules": tuple(dict.fromkeys(("moe_op", gemm1.module))), **gemm1.limits}
+    if persistent:  # aiter's persistent launch sizes its grid by the GPU's SM count
+        fields["vendors"] = frozenset({Vendor.NVIDIA, Vendor.AMD})
+    words = name.removeprefix("aiter_triton_").split("_")
+    return type("AiterTriton" + "".join(w.title() for w in words) + "Kernel",
+                (AiterTritonKernel,), fields)
+
+
+#: The variants, by the names tables store.
+AiterTritonSplitKernel = _variant("aiter_triton_split", UNFUSED, persistent=False)
+AiterTritonSiluFusedKernel = _variant("aiter_triton_silu_fused", SILU_FUSED, persistent=False)
+AiterTritonGeluFusedKernel = _variant("aiter_triton_gelu_fused", GELU_FUSED, persistent=False)
+AiterTritonPersistentKernel = _variant("aiter_triton_persistent", UNFUSED, persistent=True)
+AiterTritonSiluFusedPersistentKernel = _variant("aiter_triton_silu_fused_persistent", SILU_FUSED,
+                                                persistent=True)
+AiterTritonGeluFusedPersistentKernel = _variant("aiter_triton_gelu_fused_persistent", GELU_FUSED,
+                                                persistent=True)

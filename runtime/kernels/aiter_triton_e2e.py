@@ -42,18 +42,13 @@ class AiterTritonE2EKernel(AiterTritonKernel):
     params = config_params(space=SPACE, extra={})
     modules = ("e2e",)
     quants = frozenset({QuantScheme.NONE})
+    activations = frozenset({Activation.SILU})
+    gated = True
+    router_weight_on_input = False  # applied after GEMM2
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
         return None  # its space is not vLLM's: no serving default to start from
-
-    @classmethod
-    def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.activation is not Activation.SILU or not problem.gated:
-            return "fuses gated SiLU only"
-        if problem.router_weight_on_input:
-            return "applies the router weight after GEMM2 only"
-        return None
 
     @classmethod
     def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:

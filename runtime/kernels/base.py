@@ -6,14 +6,16 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
+import importlib.util
 from typing import Any, Callable, ClassVar, Protocol
 
 import torch
 
 from moetune.db import dump_json
 from moetune.errors import InvalidParamsError
-from moetune.runtime.platform import SKU
-from moetune.runtime.problem import MoEProblem, QuantScheme
+from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
+
 
 #: ``fn(hidden_states[M, H], topk_weights[M, topk] float32, topk_ids[M, topk]) -> out[M, H]``.
 MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -63,11 +65,14 @@ class Param:
 class BaseKernel(abc.ABC):
     """A named MoE implementation. Subclasses are stateless: data plus predicates.
 
-    MUST override: ``name``, ``_supports_device``, ``prepare``.
-    MAY override: ``params`` (default: none), ``layout`` (default PLAIN), ``_supports_quant``
-    (default: unquantized only), ``_supports_problem`` (shape limits), ``check_params``
-    (constraints across parameters, e.g. shared memory), ``candidate`` (False keeps a kernel out
-    of tuning, like the float32 reference), ``graph_safe``, ``compiles``.
+    MUST set: ``name``, ``prepare``.
+    MAY set: what it runs on and what it computes, as data (the capability fields below:
+    ``supports`` checks them, so a kernel declares them instead of writing checks); ``params``
+    (default: none), ``layout`` (default PLAIN), ``candidate`` (False keeps a kernel out of
+    tuning, like the float32 reference), ``graph_safe``, ``compiles``.
+    MAY override: ``_supports_device``, ``_supports_quant``, ``_supports_problem`` for what is
+    not data (returning ``super()``'s verdict where theirs passes), ``check_params``
+    (constraints across parameters, e.g. shared memory).
     """
 
     name: ClassVar[str]
@@ -81,6 +86,26 @@ class BaseKernel(abc.ABC):
     #: it once ahead of timing, in parallel with other such candidates.
     compiles: ClassVar[bool] = False
 
+    # --- capabilities ------------------------------------------------------------------------
+    #: The vendors it runs on.
+    vendors: ClassVar[frozenset[Vendor]] = frozenset(Vendor)
+    #: The oldest NVIDIA compute capability it runs on (``SKU.sm``: 90 is sm_90); 0: any.
+    min_sm: ClassVar[int] = 0
+    #: The AMD archs it runs on; empty: any.
+    amd_archs: ClassVar[tuple[str, ...]] = ()
+    #: Optional modules that must be importable (checked without importing them).
+    requires: ClassVar[tuple[str, ...]] = ()
+    quants: ClassVar[frozenset[QuantScheme]] = frozenset({QuantScheme.NONE})
+    dtypes: ClassVar[frozenset[DType]] = frozenset(DType)
+    activations: ClassVar[frozenset[Activation]] = frozenset(Activation)
+    #: True: gated (act-and-mul) layers only; False: ungated only; None: both.
+    gated: ClassVar[bool | None] = None
+    #: False: the router weight must apply to the output (not ``router_weight_on_input``).
+    router_weight_on_input: ClassVar[bool] = True
+    #: What hidden_size (H) and intermediate_size (I) must be multiples of.
+    hidden_align: ClassVar[int] = 1
+    intermediate_align: ClassVar[int] = 1
+
     # --- eligibility -------------------------------------------------------------------------
     @classmethod
     def supports(cls, problem: MoEProblem, sku: SKU) -> tuple[bool, str | None]:
@@ -92,18 +117,59 @@ class BaseKernel(abc.ABC):
         return True, None
 
     @classmethod
-    @abc.abstractmethod
+    def _supports_sku(cls, sku: SKU) -> str | None:
+        """None if ``sku``'s hardware is one the kernel runs on (whatever is installed here)."""
+        if sku.vendor not in cls.vendors:
+            wanted = " or ".join(cls._vendor_label(v) for v in Vendor if v in cls.vendors)
+            return f"needs {wanted}, device is {sku.label()}"
+        if sku.vendor is Vendor.NVIDIA and sku.sm < cls.min_sm:
+            return f"needs sm_{cls.min_sm} or newer, device is {sku.arch}"
+        if sku.vendor is Vendor.AMD and cls.amd_archs and sku.arch not in cls.amd_archs:
+            return f"needs {cls._vendor_label(Vendor.AMD)}, device is {sku.label()}"
+        return None
+
+    @classmethod
+    def _vendor_label(cls, vendor: Vendor) -> str:
+        if vendor is Vendor.NVIDIA:
+            return f"an NVIDIA GPU (sm_{cls.min_sm} or newer)" if cls.min_sm else "an NVIDIA GPU"
+        if vendor is Vendor.AMD:
+            return f"an AMD {'/'.join(cls.amd_archs)} GPU" if cls.amd_archs else "an AMD GPU"
+        return "the CPU"
+
+    @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        """None if the device can run this kernel, else the reason it cannot."""
+        """None if the device (and this install) can run this kernel, else the reason."""
+        reason = cls._supports_sku(sku)
+        if reason:
+            return reason
+        for module in cls.requires:
+            if importlib.util.find_spec(module) is None:
+                return f"{module} is not installed"
+        return None
 
     @classmethod
     def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.quant is QuantScheme.NONE:
+        if problem.quant in cls.quants:
             return None
-        return f"quant scheme {problem.quant.value} not supported"
+        return (f"quant scheme {problem.quant.value} not supported "
+                f"({_only(QuantScheme, cls.quants)})")
 
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if problem.dtype not in cls.dtypes:
+            return f"dtype {problem.dtype.value} not supported ({_only(DType, cls.dtypes)})"
+        if problem.activation not in cls.activations:
+            return (f"activation {problem.activation.value} not supported "
+                    f"({_only(Activation, cls.activations)})")
+        if cls.gated is not None and problem.gated != cls.gated:
+            return "gated (act-and-mul) layers only" if cls.gated else "ungated layers only"
+        if problem.router_weight_on_input and not cls.router_weight_on_input:
+            return "router weight on the input not supported (on the output only)"
+        for what, size, align in (("hidden", problem.hidden_size, cls.hidden_align),
+                                  ("intermediate", problem.intermediate_size,
+                                   cls.intermediate_align)):
+            if size % align:
+                return f"{what} size {size} is not a multiple of {align}"
         return None
 
     # --- parameters --------------------------------------------------------------------------
@@ -154,6 +220,11 @@ class BaseKernel(abc.ABC):
     @abc.abstractmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
         """Bind weights and parameters; the returned callable is what serving runs per call."""
+
+
+def _only(kind: type[enum.Enum], members: frozenset[Any]) -> str:
+    """``"float16, bfloat16 only"``: a capability field's members, in ``kind``'s order."""
+    return ", ".join(m.value for m in kind if m in members) + " only"
 
 
 def invalid_params(declared: tuple[Param, ...], params: dict[str, Any]) -> str | None:

@@ -10,9 +10,9 @@ activations stay in the compute dtype (W8A16), which is also more accurate than 
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
+from moetune.runtime.kernels._interpreter import interpreter_reason
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
@@ -28,7 +28,6 @@ MAX_ACC_PER_THREAD = 64
 #: the output itself (two launches in all; rounds each add to the output dtype); ``ordered``
 #: stores each partial in its own row and sums the rows in a fixed order (deterministic).
 REDUCES = ("atomic", "atomic_out", "ordered")
-_ROCM_ARCHS = ("gfx942", "gfx950")
 
 
 class MoetuneDecodeKernel(BaseKernel):
@@ -50,41 +49,32 @@ class MoetuneDecodeKernel(BaseKernel):
     )
     graph_safe = True  # expert ids are read on the device; launches are sized by shapes only
     compiles = True
+    min_sm = 80
+    amd_archs = ("gfx942", "gfx950")
+    requires = ("triton",)
+    quants = frozenset(QuantScheme)  # fp8 where the device has e4m3fn, below
 
     # --- eligibility -------------------------------------------------------------------------
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if importlib.util.find_spec("triton") is None:
-            return "triton is not installed"
+        reason = super()._supports_device(problem, sku)
+        if reason:
+            return reason
         from moetune.runtime.kernels._decode import INTERPRET
 
-        if sku.vendor is Vendor.CPU:
-            if not INTERPRET:
-                return "Triton kernels need a GPU (TRITON_INTERPRET=1 runs them slowly on CPU)"
-            if problem.dtype is DType.BFLOAT16:
-                return "Triton's CPU interpreter computes bfloat16 wrong (numpy has no bfloat16)"
-            return None
-        if INTERPRET:
-            return ("TRITON_INTERPRET=1 was set when the kernels were defined: they would run "
-                    "interpreted")
-        if sku.vendor is Vendor.NVIDIA and sku.sm < 80:
-            return f"needs sm_80 or newer, device is {sku.arch}"
-        if sku.vendor is Vendor.AMD and sku.arch not in _ROCM_ARCHS:
-            return f"runs on ROCm {'/'.join(_ROCM_ARCHS)} only, device is {sku.arch}"
-        return None
+        return interpreter_reason(problem, sku, INTERPRET)
 
     @classmethod
     def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if not problem.quant.is_fp8:
-            return None
-        if sku.vendor is Vendor.CPU:
-            return "fp8 weights do not run in Triton's CPU interpreter (numpy has no fp8)"
-        if sku.vendor is Vendor.NVIDIA and sku.sm < 89:
-            return f"fp8 e4m3 weights need sm_89 or newer, device is {sku.arch}"
-        if sku.vendor is Vendor.AMD and sku.arch != "gfx950":
-            return (f"moetune's fp8 weights are e4m3fn (OCP); {sku.arch} computes e4m3fnuz "
-                    "(gfx950 has e4m3fn)")
-        return None
+        if problem.quant.is_fp8:
+            if sku.vendor is Vendor.CPU:
+                return "fp8 weights do not run in Triton's CPU interpreter (numpy has no fp8)"
+            if sku.vendor is Vendor.NVIDIA and sku.sm < 89:
+                return f"fp8 e4m3 weights need sm_89 or newer, device is {sku.arch}"
+            if sku.vendor is Vendor.AMD and sku.arch != "gfx950":
+                return (f"moetune's fp8 weights are e4m3fn (OCP); {sku.arch} computes e4m3fnuz "
+                        "(gfx950 has e4m3fn)")
+        return super()._supports_quant(problem, sku)
 
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
@@ -92,7 +82,7 @@ class MoetuneDecodeKernel(BaseKernel):
         if pairs > MAX_PAIRS:
             return (f"num_tokens x topk = {pairs} > {MAX_PAIRS}: a decode kernel (one program "
                     "per routed pair, no expert grouping)")
-        return None
+        return super()._supports_problem(problem, sku)
 
     # --- parameters --------------------------------------------------------------------------
     @classmethod

@@ -9,8 +9,7 @@ import torch
 from moetune.runtime.kernels._math import activate
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.kernels.quant import dequantize
-from moetune.runtime.platform import SKU
-from moetune.runtime.problem import MoEProblem
+from moetune.runtime.problem import MoEProblem, QuantScheme
 
 
 class ReferenceKernel(BaseKernel):
@@ -18,14 +17,7 @@ class ReferenceKernel(BaseKernel):
 
     name = "reference"
     candidate = False
-
-    @classmethod
-    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        return None
-
-    @classmethod
-    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        return None
+    quants = frozenset(QuantScheme)
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:

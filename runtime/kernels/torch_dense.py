@@ -21,14 +21,10 @@ class TorchDenseKernel(BaseKernel):
     graph_safe = True  # scatter, bmm and elementwise ops only: nothing reads back to the host
 
     @classmethod
-    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        return None
-
-    @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
         if problem.num_experts > 64:
             return f"dense evaluation of {problem.num_experts} experts would waste too much compute"
-        return None
+        return super()._supports_problem(problem, sku)
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:

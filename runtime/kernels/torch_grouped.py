@@ -22,16 +22,21 @@ class TorchGroupedKernel(BaseKernel):
 
     name = "torch_grouped"
     graph_safe = False  # torch.bincount on CUDA reads the largest id back to size its output
+    vendors = frozenset({Vendor.CPU, Vendor.NVIDIA})  # _grouped_mm is not built for ROCm here
+    min_sm = 90
+    quants = frozenset(QuantScheme)  # fp8 on the CPU only, below
 
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
         if not hasattr(torch, "_grouped_mm"):
             return f"torch {torch.__version__} has no _grouped_mm"
-        if sku.vendor is Vendor.NVIDIA and sku.sm < 90:
-            return f"_grouped_mm needs sm_90 or newer, device is {sku.arch}"
-        if sku.vendor is Vendor.AMD:
-            return "_grouped_mm is not built for ROCm here"
-        return None
+        return super()._supports_device(problem, sku)
+
+    @classmethod
+    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if problem.quant.is_fp8 and sku.vendor is not Vendor.CPU:
+            return "fp8 runs dequantized per call on the CPU only (on GPUs: torch_scaled_grouped)"
+        return super()._supports_quant(problem, sku)
 
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
@@ -40,13 +45,7 @@ class TorchGroupedKernel(BaseKernel):
         # cuBLAS grouped GEMM needs 16-byte aligned strides: 8 bf16 elements.
         if sku.vendor is Vendor.NVIDIA and (problem.hidden_size % 8 or problem.intermediate_size % 8):
             return "hidden and intermediate sizes must be multiples of 8 on CUDA"
-        return None
-
-    @classmethod
-    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.quant is QuantScheme.NONE or sku.vendor is Vendor.CPU:
-            return None
-        return "fp8 runs dequantized per call on the CPU only (on GPUs: torch_scaled_grouped)"
+        return super()._supports_problem(problem, sku)
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:

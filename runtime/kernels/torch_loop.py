@@ -9,7 +9,6 @@ import torch
 from moetune.runtime.kernels._math import activate
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.kernels.quant import dequantize_fp8
-from moetune.runtime.platform import SKU
 from moetune.runtime.problem import MoEProblem, QuantScheme
 
 #: ``expert(e, dtype) -> (w1, w2)``: expert ``e``'s weights in ``dtype``.
@@ -25,14 +24,7 @@ class TorchLoopKernel(BaseKernel):
     """
 
     name = "torch_loop"
-
-    @classmethod
-    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        return None
-
-    @classmethod
-    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        return None  # every QuantScheme: none, or fp8 dequantized per expert
+    quants = frozenset(QuantScheme)  # none, or fp8 dequantized per expert
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:

@@ -8,7 +8,6 @@ the row scale of GEMM1 (weight on input) or GEMM2 instead of costing a pass of i
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Any
 
 import torch
@@ -23,33 +22,19 @@ class TorchScaledGroupedKernel(BaseKernel):
     """Two CUTLASS launches for all experts; fp8 per-tensor and per-channel weights."""
 
     name = "torch_scaled_grouped"
+    vendors = frozenset({Vendor.NVIDIA})
+    min_sm = 90
+    requires = ("triton",)  # activation quantization
+    quants = frozenset({QuantScheme.FP8_PER_TENSOR, QuantScheme.FP8_PER_CHANNEL})  # row-wise scales
+    dtypes = frozenset({DType.BFLOAT16})  # what _scaled_grouped_mm writes
+    # CUTLASS needs 16-byte aligned rows: 16 fp8 elements.
+    hidden_align = intermediate_align = 16
 
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
         if not hasattr(torch, "_scaled_grouped_mm"):
             return f"torch {torch.__version__} has no _scaled_grouped_mm"
-        if sku.vendor is not Vendor.NVIDIA:
-            return "_scaled_grouped_mm runs on NVIDIA GPUs only"
-        if sku.sm < 90:
-            return f"_scaled_grouped_mm needs sm_90 or newer, device is {sku.arch}"
-        if importlib.util.find_spec("triton") is None:
-            return "triton is not installed (activation quantization)"
-        return None
-
-    @classmethod
-    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.quant in (QuantScheme.FP8_PER_TENSOR, QuantScheme.FP8_PER_CHANNEL):
-            return None
-        return f"quant scheme {problem.quant.value} not supported (row-wise scales only)"
-
-    @classmethod
-    def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.dtype is not DType.BFLOAT16:
-            return "_scaled_grouped_mm writes bfloat16 only"
-        # CUTLASS needs 16-byte aligned rows: 16 fp8 elements.
-        if problem.hidden_size % 16 or problem.intermediate_size % 16:
-            return "hidden and intermediate sizes must be multiples of 16"
-        return None
+        return super()._supports_device(problem, sku)
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:

@@ -37,23 +37,17 @@ class VllmCpuExpertsKernel(BaseKernel):
     """vLLM's C++ CPU MoE (unquantized or block-fp8) on weights prepacked as vLLM does."""
 
     name = "vllm_cpu_experts"
+    vendors = frozenset({Vendor.CPU})
+    #: vLLM has no CPU MoE kernel for per-tensor or per-channel fp8 (CPUExpertsFp8 runs blocks).
+    quants = frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK_128X128})
 
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if sku.vendor is not Vendor.CPU:
-            return "vLLM's CPU MoE kernel runs on the CPU only"
-        return _vllm()[1]
-
-    @classmethod
-    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.quant in (QuantScheme.NONE, QuantScheme.FP8_BLOCK_128X128):
-            return None
-        return (f"vLLM has no CPU MoE kernel for {problem.quant.value} (CPUExpertsFp8 runs "
-                "fp8_block_128x128 only)")
+        return super()._supports_device(problem, sku) or _vllm()[1]
 
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        return _experts_for(problem)[1]
+        return super()._supports_problem(problem, sku) or _experts_for(problem)[1]
 
     @classmethod
     def isa(cls, problem: MoEProblem) -> str | None:
