@@ -5,8 +5,20 @@ class MoetuneError(Exception):
     """Root of every error moetune raises on purpose."""
 
 
-class InvalidProblemError(MoetuneError, ValueError):
+class ShapeError(MoetuneError):
+    """A shape that cannot be tuned, imported or exported as given: an unknown preset, no shape
+    or two, ``--buckets`` that are not token counts, vLLM files without the sizes or dtype
+    their names leave out."""
+
+
+class InvalidProblemError(ShapeError, ValueError):
     """A MoE shape or option that cannot describe a real layer (hidden size 0, topk > experts, ...)."""
+
+
+class FormatError(MoetuneError):
+    """A file moetune reads or writes besides its tables (vLLM's tuned-config JSON, aiter's
+    CSV, a Hugging Face config.json, a misses file, a report) that is not in its format or
+    cannot be read or written; or a ``--ceilings`` value that is not."""
 
 
 class TableError(MoetuneError):
@@ -26,9 +38,15 @@ class InvalidParamsError(MoetuneError, ValueError):
 
 
 class TuningError(MoetuneError):
-    """The tuner could not produce a result (no eligible kernel, baseline failed, ...)."""
+    """The tuner could not produce a result (no eligible kernel, baseline failed, fewer GPUs
+    than asked for, ...)."""
 
 
-class UnsupportedModelError(MoetuneError):
+class WorkerDiedError(TuningError):
+    """A child process measuring candidates died or timed out where its answer was needed
+    (setting up a bucket, re-timing a finalist): the bucket fails, the job goes on."""
+
+
+class UnsupportedModelError(ShapeError):
     """A model whose MoE layers use something moetune does not tune (expert biases, a clamped
     swiglu, a quantization scheme such as mxfp4 or fp8 with 64x64 blocks)."""

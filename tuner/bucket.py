@@ -130,7 +130,7 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                          progress=on_trial)
         confirming = time.perf_counter()
         decision = confirm(problem, sku, measurer, results)
-    except (TuningError, RuntimeError) as e:
+    except (TuningError, RuntimeError) as e:  # RuntimeError: torch's, measuring in-process
         return BucketOutcome(problem, None, 0, len(known), str(e), device=lane.device)
     fresh = [r for k, r in results.items() if k not in known]
     end = time.perf_counter()

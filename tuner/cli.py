@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from moetune import db
-from moetune.errors import MoetuneError
+from moetune.errors import MoetuneError, TuningError
 from moetune.runtime.dispatcher import Dispatcher, shipped_table
 from moetune.runtime.platform import SKU, detect_sku
 from moetune.runtime.problem import Activation, DType, QuantScheme
@@ -153,29 +153,29 @@ def tune(
     out.print(report.winners_table(db.read_winners(output), sku))
     failed = [o for o in outcomes if o.error]
     if failed:
-        raise MoetuneError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
+        raise TuningError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
 
 
 def _gpus(count: int, device: str, sku: SKU) -> tuple[str, ...]:
     """``cuda:0`` ... for ``--gpus``; () for one.
 
     Raises:
-        MoetuneError: not CUDA, fewer GPUs than asked, or GPUs of other models (one table is
+        TuningError: not CUDA, fewer GPUs than asked, or GPUs of other models (one table is
             for one SKU).
     """
     if count == 1:
         return ()
     if device != "cuda":
-        raise MoetuneError("--gpus needs --device cuda")
+        raise TuningError("--gpus needs --device cuda")
     import torch
 
     if torch.cuda.device_count() < count:
-        raise MoetuneError(f"--gpus {count}: this host has {torch.cuda.device_count()} GPUs")
+        raise TuningError(f"--gpus {count}: this host has {torch.cuda.device_count()} GPUs")
     devices = tuple(f"cuda:{i}" for i in range(count))
     others = [d for d in devices if not detect_sku(d).matches(sku)]
     if others:
-        raise MoetuneError(f"--gpus {count}: {', '.join(others)} are not {sku.label()}; a table "
-                           "is for one GPU model")
+        raise TuningError(f"--gpus {count}: {', '.join(others)} are not {sku.label()}; a table "
+                          "is for one GPU model")
     return devices
 
 

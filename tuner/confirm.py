@@ -106,6 +106,7 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
 
     Raises:
         TuningError: the rule's pick failed or was wrong (nothing trustworthy to compare to).
+        WorkerDiedError: an isolated measurer died re-timing a finalist.
     """
     max_rounds = 4 * rounds if max_rounds is None else max(max_rounds, rounds)
     variants = rule_variants(problem, sku)

@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune import db
-from moetune.errors import MoetuneError
+from moetune.errors import FormatError, MoetuneError
 from moetune.runtime.dispatcher import row_problem
 from moetune.runtime.kernels.aiter_fused_moe import AiterFusedMoeKernel
 from moetune.runtime.platform import SKU, Vendor
@@ -84,7 +84,7 @@ def read_csv(path: Path) -> list[dict[str, str]]:
     """The rows of an aiter fMoE CSV.
 
     Raises:
-        MoetuneError: unreadable, or without the key columns, ``block_m`` and ``us``.
+        FormatError: unreadable, or without the key columns, ``block_m`` and ``us``.
     """
     try:
         with open(path, newline="") as f:
@@ -92,11 +92,11 @@ def read_csv(path: Path) -> list[dict[str, str]]:
             columns = [c.strip() for c in reader.fieldnames or ()]
             missing = [c for c in REQUIRED if c not in columns]
             if missing:
-                raise MoetuneError(f"{path}: not aiter's tuned_fmoe.csv: missing columns "
-                                   f"{', '.join(missing)}")
+                raise FormatError(f"{path}: not aiter's tuned_fmoe.csv: missing columns "
+                                  f"{', '.join(missing)}")
             return [{k.strip(): (v or "").strip() for k, v in row.items() if k} for row in reader]
     except (OSError, UnicodeDecodeError, csv.Error) as e:
-        raise MoetuneError(f"{path}: cannot read as CSV ({e})") from None
+        raise FormatError(f"{path}: cannot read as CSV ({e})") from None
 
 
 # --- import -----------------------------------------------------------------------------------
@@ -104,7 +104,7 @@ def import_aiter(source: Path, output: Path) -> FormatReport:
     """Import aiter's ``tuned_fmoe.csv`` into the table ``output`` (merged if it exists).
 
     Raises:
-        MoetuneError: not an aiter fMoE CSV, or no row moetune can use.
+        FormatError: not an aiter fMoE CSV, or no row moetune can use.
     """
     report = FormatReport("imported", outputs=[Path(output)])
     winners = []
@@ -177,11 +177,11 @@ def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatR
 
     Raises:
         TableError: ``table`` cannot be read.
-        MoetuneError: no base CSV, or ``output`` cannot be written.
+        FormatError: no base CSV, or ``output`` cannot be written.
     """
     base = base or installed_csv()
     if base is None:
-        raise MoetuneError("no aiter tuned_fmoe.csv to take kernel names from: pass --aiter-base")
+        raise FormatError("no aiter tuned_fmoe.csv to take kernel names from: pass --aiter-base")
     base_rows = {tuple(r[c] for c in KEY_COLUMNS): r for r in read_csv(base)}
     report = FormatReport("exported", outputs=[Path(output)])
     picks: dict[tuple[str, ...], _Pick] = {}
@@ -259,4 +259,4 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         os.replace(temp, path)
     except OSError as e:
         temp.unlink(missing_ok=True)
-        raise MoetuneError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise FormatError(f"{path}: cannot write ({e.strerror or e})") from None

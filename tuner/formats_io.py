@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from moetune import db
-from moetune.errors import MoetuneError
+from moetune.errors import FormatError
 from moetune.runtime.dispatcher import row_problem, row_verdict
 from moetune.runtime.platform import SKU, Vendor, environment
 from moetune.runtime.problem import MoEProblem
@@ -45,7 +45,7 @@ def detect(path: Path) -> Format:
     them) or aiter's ``tuned_fmoe.csv``.
 
     Raises:
-        MoetuneError: ``path`` is missing or none of these.
+        FormatError: ``path`` is missing or none of these.
     """
     path = Path(path)
     if path.is_dir():
@@ -54,7 +54,7 @@ def detect(path: Path) -> Format:
         with open(path, "rb") as f:
             head = f.read(4096)
     except OSError as e:
-        raise MoetuneError(f"{path}: cannot read ({e.strerror or e})") from None
+        raise FormatError(f"{path}: cannot read ({e.strerror or e})") from None
     text = head.decode("utf-8", "replace").lstrip()
     first_line = text.splitlines()[0] if text else ""
     if head.startswith(_SQLITE_MAGIC) or path.suffix in (".db", ".sqlite"):
@@ -63,7 +63,7 @@ def detect(path: Path) -> Format:
         return Format.VLLM
     if path.suffix == ".csv" or first_line.replace(" ", "").startswith(("cu_num,", "token,")):
         return Format.AITER
-    raise MoetuneError(
+    raise FormatError(
         f"{path}: cannot tell its format; expected a moetune table (SQLite), a vLLM tuned-config "
         "JSON (E=..,N=..,device_name=...json, or a folder of them) or aiter's tuned_fmoe.csv")
 
@@ -149,7 +149,7 @@ def write_winners(winners: list[ImportedWinner], output: Path, source: str,
     an existing ``output`` are dropped by the merge and noted.
 
     Raises:
-        MoetuneError: no winner is left to write (``output`` is left untouched).
+        FormatError: no winner is left to write (``output`` is left untouched).
         TableError: ``output`` is not a table or cannot be written.
     """
     valid = []
@@ -161,7 +161,7 @@ def write_winners(winners: list[ImportedWinner], output: Path, source: str,
             report.skip(invalid)
     winners = keep_fastest(valid, report)
     if not winners:
-        raise MoetuneError(f"{source}: nothing to import\n{report.text()}")
+        raise FormatError(f"{source}: nothing to import\n{report.text()}")
     output = Path(output)
     env = {**environment(), **(env_overrides or {})}
     command = f"moetune import {source}"

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from moetune import db
-from moetune.errors import InvalidProblemError, MoetuneError
+from moetune.errors import FormatError, InvalidProblemError, ShapeError
 from moetune.runtime.dispatcher import row_problem
 from moetune.runtime.kernels.triton_config import SPACE, config_of
 from moetune.runtime.platform import SKU, Vendor
@@ -69,7 +69,7 @@ def shape_hints(preset_name: str | None = None, hidden: int | None = None,
     """Hints from a preset, overridden by explicit options.
 
     Raises:
-        MoetuneError: no hidden size or topk, or a dtype a file without ``dtype=`` cannot mean.
+        ShapeError: no hidden size or topk, or a dtype a file without ``dtype=`` cannot mean.
     """
     base: dict[str, Any] = {}
     if preset_name:
@@ -83,11 +83,11 @@ def shape_hints(preset_name: str | None = None, hidden: int | None = None,
              parse_enum(Activation, activation), "arch": arch}
     base.update({k: v for k, v in given.items() if v is not None})
     if "hidden_size" not in base or "topk" not in base:
-        raise MoetuneError("a vLLM config file names E and N only: give --hidden and --topk "
-                           "(or --preset) for the layers it serves")
+        raise ShapeError("a vLLM config file names E and N only: give --hidden and --topk "
+                         "(or --preset) for the layers it serves")
     if base.get("dtype", DType.BFLOAT16) is DType.FLOAT32:
-        raise MoetuneError("--dtype for vLLM files is bfloat16 or float16 (float32 files "
-                           "say dtype=float32 in their name)")
+        raise ShapeError("--dtype for vLLM files is bfloat16 or float16 (float32 files "
+                         "say dtype=float32 in their name)")
     if base.get("fp8_scheme") not in (QuantScheme.FP8_PER_TENSOR, QuantScheme.FP8_PER_CHANNEL):
         base.pop("fp8_scheme", None)  # the file name decides everything but this choice
     return ShapeHints(**base)
@@ -109,7 +109,7 @@ def export_vllm(table: Path, folder: Path, device_name: str | None = None) -> Fo
 
     Raises:
         TableError: ``table`` cannot be read.
-        MoetuneError: ``folder`` cannot be written.
+        FormatError: ``folder`` cannot be written.
     """
     snapshot = db.read_winners(table)
     device_name = device_name and re.sub(r"[\s/]+", "_", device_name.strip())
@@ -186,7 +186,7 @@ def _write_json(folder: Path, name: str, content: dict[str, Any]) -> Path:
         temp.write_text(json.dumps(content, indent=4) + "\n")
         os.replace(temp, path)
     except OSError as e:
-        raise MoetuneError(f"{path}: cannot write ({e.strerror or e})") from None
+        raise FormatError(f"{path}: cannot write ({e.strerror or e})") from None
     return path
 
 
@@ -195,13 +195,13 @@ def import_vllm(source: Path, output: Path, hints: ShapeHints) -> FormatReport:
     """Import a vLLM config file, or every ``E=*.json`` in a folder, into the table ``output``.
 
     Raises:
-        MoetuneError: a file name or content that is not a vLLM tuned config, an unknown
-            device (pass ``arch`` in the hints), or shapes the hints make invalid.
+        FormatError: a file name or content that is not a vLLM tuned config.
+        ShapeError: shapes the hints make invalid.
     """
     source = Path(source)
     paths = sorted(source.glob("E=*.json")) if source.is_dir() else [source]
     if not paths:
-        raise MoetuneError(f"{source}: no vLLM config files (E=...,N=...,device_name=...json)")
+        raise FormatError(f"{source}: no vLLM config files (E=...,N=...,device_name=...json)")
     report = FormatReport("imported", outputs=[Path(output)])
     winners: list[ImportedWinner] = []
     versions: collections.Counter[str] = collections.Counter()
@@ -223,8 +223,8 @@ def _read_file(path: Path, hints: ShapeHints, report: FormatReport,
                versions: collections.Counter[str]) -> list[ImportedWinner]:
     m = FILE_NAME.match(path.name)
     if m is None:
-        raise MoetuneError(f"{path}: not a vLLM tuned-config file name; expected "
-                           "E={E},N={N},device_name={device}[,dtype=...][,block_shape=[n,k]].json")
+        raise FormatError(f"{path}: not a vLLM tuned-config file name; expected "
+                          "E={E},N={N},device_name={device}[,dtype=...][,block_shape=[n,k]].json")
     version, configs = _load_configs(path)
     dtype, quant = hints.dtype, QuantScheme.NONE
     if m["dtype"] == "float32":
@@ -253,7 +253,7 @@ def _read_file(path: Path, hints: ShapeHints, report: FormatReport,
                                  dtype, quant, hints.activation, True,
                                  hints.router_weight_on_input)
         except InvalidProblemError as e:
-            raise MoetuneError(f"{path}: {e}") from None
+            raise ShapeError(f"{path}: {e}") from None
         winners.append(ImportedWinner(sku, problem, KERNEL, params, None, "vllm-json"))
     if dropped:
         report.notes.append(f"{path.name}: dropped {', '.join(sorted(dropped))} (no such "
@@ -266,17 +266,17 @@ def _load_configs(path: Path) -> tuple[str | None, dict[str, dict[str, Any]]]:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise MoetuneError(f"{path}: not a vLLM tuned config: cannot read JSON ({e})") from None
+        raise FormatError(f"{path}: not a vLLM tuned config: cannot read JSON ({e})") from None
     entries = {k: v for k, v in data.items() if k != "triton_version"} if isinstance(
         data, dict) else {}
     if not entries:
-        raise MoetuneError(f"{path}: not a vLLM tuned config: expected a JSON object mapping "
-                           "token counts to Triton configs")
+        raise FormatError(f"{path}: not a vLLM tuned config: expected a JSON object mapping "
+                          "token counts to Triton configs")
     for key, config in entries.items():
         if not (key.isdigit() and int(key) > 0 and isinstance(config, dict)
                 and all(isinstance(config.get(n), int) for n in SPACE)):
-            raise MoetuneError(f"{path}: not a vLLM tuned config: entry {key!r} must map a token "
-                               f"count to a config with integer {', '.join(SPACE)}")
+            raise FormatError(f"{path}: not a vLLM tuned config: entry {key!r} must map a token "
+                              f"count to a config with integer {', '.join(SPACE)}")
     version = data.get("triton_version")
     return (version if isinstance(version, str) else None), entries
 

@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from moetune.errors import InvalidProblemError, MoetuneError
+from moetune.errors import FormatError, InvalidProblemError, ShapeError
 from moetune.runtime.problem import (DEFAULT_BUCKETS, Activation, DType, QuantScheme, Shape,
                                      parse_enum)
 from moetune.tuner.hf_config import moe_features
@@ -47,11 +47,11 @@ PRESETS: dict[str, Preset] = {p.name: p for p in (
 
 
 def preset(name: str) -> Preset:
-    """Raises: MoetuneError naming the valid presets."""
+    """Raises: ShapeError naming the valid presets."""
     try:
         return PRESETS[name]
     except KeyError:
-        raise MoetuneError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
+        raise ShapeError(f"unknown preset {name!r}; choose one of: {', '.join(PRESETS)}") from None
 
 
 _EXPERTS_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
@@ -66,19 +66,19 @@ def shape_from_config(path: Path, *, tp: int = 1, ep: int = 1,
     intermediate size is split across ``tp`` ranks (vLLM's sharding).
 
     Raises:
-        MoetuneError: unreadable file, or no MoE fields in it.
+        FormatError: unreadable file, or no MoE fields in it.
         UnsupportedModelError: MoE layers moetune does not tune (``hf_config.moe_features``).
     """
     try:
         cfg: dict[str, Any] = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
-        raise MoetuneError(f"{path}: cannot read config.json ({e})") from None
+        raise FormatError(f"{path}: cannot read config.json ({e})") from None
     cfg = {**cfg, **cfg.get("text_config", {})}  # Llama-4 and other multimodal nesting
     experts = next((cfg[k] for k in _EXPERTS_KEYS if cfg.get(k)), None)
     inter = next((cfg[k] for k in _INTER_KEYS if cfg.get(k)), None)
     if not experts or not inter or "hidden_size" not in cfg:
-        raise MoetuneError(f"{path}: not a MoE config (need hidden_size, an expert count and an "
-                           f"intermediate size; experts={experts}, intermediate={inter})")
+        raise FormatError(f"{path}: not a MoE config (need hidden_size, an expert count and an "
+                          f"intermediate size; experts={experts}, intermediate={inter})")
     if tp < 1 or ep < 1 or experts % ep or inter % tp:
         raise InvalidProblemError(
             f"cannot shard {experts} experts over ep={ep} and intermediate {inter} over tp={tp}")

@@ -12,7 +12,7 @@ from statistics import geometric_mean
 from typing import Any, Iterable
 
 from moetune import __version__
-from moetune.errors import MoetuneError
+from moetune.errors import FormatError
 from moetune.runtime.platform import environment
 from moetune.tuner.report_data import (BucketView, ReportData, RunView, ShapeView, duration,
                                        load_report)
@@ -51,7 +51,7 @@ def write_report(table: str | Path, output: Path, ceilings: Ceilings | None = No
 
     Raises:
         TableError: The table cannot be read.
-        MoetuneError: ``output`` cannot be written.
+        FormatError: ``output`` cannot be written.
     """
     data = load_report(table, ceilings)
     try:
@@ -60,7 +60,7 @@ def write_report(table: str | Path, output: Path, ceilings: Ceilings | None = No
         page = output / "index.html"
         page.write_text(render_page(data, figures, ceilings_from), encoding="utf-8")
     except OSError as e:
-        raise MoetuneError(f"{output}: cannot write the report ({e.strerror or e})") from None
+        raise FormatError(f"{output}: cannot write the report ({e.strerror or e})") from None
     return page
 
 

@@ -14,7 +14,7 @@ import dataclasses
 import statistics
 from typing import Any, Callable
 
-from moetune.errors import MoetuneError
+from moetune.errors import FormatError
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
 #: fp8 block-scaled weights carry one float32 scale per 128x128 block.
@@ -74,7 +74,7 @@ def parse_ceilings(text: str) -> Ceilings:
     """``hbm_tbps=4.28,bf16_tflops=774,fp8_tflops=1410`` (``--ceilings``) as :class:`Ceilings`.
 
     Raises:
-        MoetuneError: An unknown key, a value that is not a positive number, or a missing
+        FormatError: An unknown key, a value that is not a positive number, or a missing
             ``hbm_tbps`` / ``bf16_tflops``; the message lists the keys.
     """
     keys = ", ".join(CEILING_KEYS)
@@ -82,20 +82,20 @@ def parse_ceilings(text: str) -> Ceilings:
     for item in filter(None, (part.strip() for part in text.split(","))):
         key, _, value = item.partition("=")
         if key.strip() not in CEILING_KEYS:
-            raise MoetuneError(f"--ceilings: unknown key {key.strip()!r}; use {keys}")
+            raise FormatError(f"--ceilings: unknown key {key.strip()!r}; use {keys}")
         name, factor = CEILING_KEYS[key.strip()]
         try:
             number = float(value)
         except ValueError:
             number = -1.0
         if not number > 0:
-            raise MoetuneError(f"--ceilings: {key.strip()} needs a positive number, got {value!r}")
+            raise FormatError(f"--ceilings: {key.strip()} needs a positive number, got {value!r}")
         values[name] = number * factor
     try:
         return Ceilings.from_dict(values)
     except ValueError:
-        raise MoetuneError(f"--ceilings needs at least hbm_tbps and bf16_tflops (keys: {keys}), "
-                           f"e.g. hbm_tbps=4.28,bf16_tflops=774,fp8_tflops=1410") from None
+        raise FormatError(f"--ceilings needs at least hbm_tbps and bf16_tflops (keys: {keys}), "
+                          f"e.g. hbm_tbps=4.28,bf16_tflops=774,fp8_tflops=1410") from None
 
 
 @dataclasses.dataclass(frozen=True)

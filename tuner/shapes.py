@@ -6,7 +6,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from moetune.errors import MoetuneError
+from moetune.errors import FormatError, ShapeError
 from moetune.runtime.problem import (DEFAULT_BUCKETS, Activation, DType, MoEProblem, QuantScheme,
                                      Shape, parse_enum)
 from moetune.tuner.presets import preset, shape_from_config
@@ -34,10 +34,10 @@ def resolve(opts: ShapeOptions) -> tuple[Shape, tuple[int, ...]]:
     """The shape described by ``opts`` and its default buckets.
 
     Raises:
-        MoetuneError: no shape given, both a preset and a config, or an invalid shape.
+        ShapeError: no shape given, both a preset and a config, or an invalid shape.
     """
     if opts.preset and opts.config:
-        raise MoetuneError("give either --preset or --config, not both")
+        raise ShapeError("give either --preset or --config, not both")
     buckets = DEFAULT_BUCKETS
     if opts.preset:
         p = preset(opts.preset)
@@ -59,8 +59,8 @@ def resolve(opts: ShapeOptions) -> tuple[Shape, tuple[int, ...]]:
     base.update({k: v for k, v in overrides.items() if v is not None})
     missing = [f.name for f in dataclasses.fields(Shape) if f.name not in base]
     if missing:
-        raise MoetuneError("no shape given: use --preset, --config or all of --hidden "
-                           "--intermediate --experts --topk")
+        raise ShapeError("no shape given: use --preset, --config or all of --hidden "
+                         "--intermediate --experts --topk")
     shape = Shape(**base)
     shape.problem(1)  # validates sizes, topk <= experts, quant constraints
     return shape, buckets
@@ -73,9 +73,9 @@ def parse_buckets(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]
     try:
         values = sorted({int(v) for v in text.split(",") if v.strip()})
     except ValueError:
-        raise MoetuneError(f"--buckets must be comma-separated integers, got {text!r}") from None
+        raise ShapeError(f"--buckets must be comma-separated integers, got {text!r}") from None
     if not values or values[0] < 1:
-        raise MoetuneError(f"--buckets must be positive integers, got {text!r}")
+        raise ShapeError(f"--buckets must be positive integers, got {text!r}")
     return tuple(values)
 
 
@@ -83,12 +83,12 @@ def problems_from_misses(path: Path) -> list[MoEProblem]:
     """Problems a serving process recorded as table misses (JSON lines), de-duplicated.
 
     Raises:
-        MoetuneError: unreadable file or a line that is not a problem.
+        FormatError: unreadable file or a line that is not a problem.
     """
     try:
         lines = Path(path).read_text().splitlines()
     except OSError as e:
-        raise MoetuneError(f"{path}: cannot read misses file ({e})") from None
+        raise FormatError(f"{path}: cannot read misses file ({e})") from None
     problems: dict[MoEProblem, None] = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -96,5 +96,5 @@ def problems_from_misses(path: Path) -> list[MoEProblem]:
         try:
             problems[MoEProblem.from_row(json.loads(line))] = None
         except (ValueError, KeyError, TypeError) as e:
-            raise MoetuneError(f"{path}:{n}: not a recorded problem ({e})") from None
+            raise FormatError(f"{path}:{n}: not a recorded problem ({e})") from None
     return list(problems)

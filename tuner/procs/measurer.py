@@ -10,6 +10,7 @@ from __future__ import annotations
 from multiprocessing.connection import Connection
 from typing import Any
 
+from moetune.errors import WorkerDiedError
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
 from moetune.tuner.inputs import Routing
@@ -63,13 +64,13 @@ class IsolatedMeasurer:
         """Measure ``problem`` from now on, in the same child when it is alive.
 
         Raises:
-            RuntimeError: the child could not set the problem up (e.g. out of memory).
+            WorkerDiedError: the child could not set the problem up (e.g. out of memory).
         """
         self._child.args = (problem, *self._child.args[1:])
         if self._child.alive:
             reply = self._child.call(UseProblem(problem))
             if isinstance(reply, Died):
-                raise RuntimeError(f"setting up {problem.describe()} failed: {reply}")
+                raise WorkerDiedError(f"setting up {problem.describe()} failed: {reply}")
 
     def measure(self, kernel: str, params: dict[str, Any],
                 cutoff_us: float | None = None) -> Result:
@@ -80,9 +81,10 @@ class IsolatedMeasurer:
         return reply.result
 
     def retime(self, kernel: str, params: dict[str, Any], reps: int) -> Timing:
+        """Raises: WorkerDiedError: the child died or timed out re-timing ``kernel``."""
         reply = self._child.call(Retime(kernel, params, reps))
         if isinstance(reply, Died):
-            raise RuntimeError(f"re-timing {kernel} failed: {reply}")
+            raise WorkerDiedError(f"re-timing {kernel} failed: {reply}")
         assert isinstance(reply, Retimed)
         return reply.timing
 
