@@ -227,6 +227,17 @@ def test_prepare_passes_exactly_the_declared_keywords(fake_aiter, kernel, proble
         assert call.kwargs["doweight_stage1"] is problem.router_weight_on_input
 
 
+@pytest.mark.parametrize("kernel", KERNELS, ids=lambda k: k.name)
+def test_prepared_calls_write_into_a_given_output(fake_aiter, kernel):
+    problem = next(p for k, p in CASES if k is kernel)
+    params = {p.name: p.choices[-1] for p in kernel.params}
+    fn = kernel.prepare(problem, params, weights_for(problem))
+    x, topk_weights, topk_ids = routed_batch(problem)
+    out = torch.full_like(x, float("nan"))
+    assert fn(x, topk_weights, topk_ids, out=out) is out
+    assert torch.equal(out, torch.zeros_like(x))  # what the fake aiter returns
+
+
 def test_fused_moe_block_size_zero_means_aiters_choice(fake_aiter):
     calls, _ = fake_aiter
     problem = MoEProblem(8, 256, 256, 4, 2)

@@ -1,6 +1,7 @@
 """The contract every registered kernel keeps, checked by being registered: at tiny shapes an
-eligible kernel matches the float32 reference within the tuner's tolerance, and an ineligible
-one says why, starting with its name.
+eligible kernel matches the float32 reference within the tuner's tolerance, both returning a new
+tensor and writing into a given output (what serving passes), and an ineligible one says why,
+starting with its name.
 
 Run on this machine's device: the CPU here (and again under Triton's interpreter, in a fresh
 process, where the Triton kernels become eligible in float32 and float16), every CUDA kernel on
@@ -72,10 +73,16 @@ def test_every_registered_kernel_matches_the_reference_or_says_why_not(name, sku
         weights = make_weights(problem, DEVICE, seed=1)
         batch = make_batch(problem, DEVICE, seed=2)
         want = reference.prepare(problem, {}, weights)(*batch.args())
-        got = kernel.prepare(problem, kernel.validate(params), weights)(*batch.args())
+        fn = kernel.prepare(problem, kernel.validate(params), weights)
+        got = fn(*batch.args())
         assert got.shape == batch.x.shape and got.dtype == batch.x.dtype, problem.describe()
         error = relative_error(got, want)
         assert error <= tolerance(problem, DEVICE), (problem.describe(), params, error)
+        # NaN shows any element the kernel leaves unwritten or accumulates onto.
+        out = torch.full_like(batch.x, float("nan"))
+        assert fn(*batch.args(), out=out) is out, problem.describe()
+        error = relative_error(out, want)
+        assert error <= tolerance(problem, DEVICE), (problem.describe(), params, "out=", error)
 
 
 def test_every_kernel_path_names_its_class():

@@ -228,7 +228,7 @@ def test_failing_kernel_falls_back_for_good(fake_vllm, table, monkeypatch, caplo
     cls, spec = fake_vllm
 
     def broken(problem, params, weights):
-        def run(x, w, ids):
+        def run(x, w, ids, out=None):
             raise RuntimeError("boom")
         return run
 

@@ -214,12 +214,14 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     else:
         mode, buffer = ATOMIC, "float32"
 
-    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         m, topk = topk_ids.shape
         pairs = m * topk
         x = x if x.stride(1) == 1 else x.contiguous()
         h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-        out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
+        if out is None:
+            out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
         if buffer == "partial":
             target = torch.empty((pairs * split, hidden), dtype=torch.float32, device=x.device)
         elif buffer == "float32":

@@ -14,7 +14,7 @@ import torch
 
 from moetune.runtime.kernels._aiter_asm import (
     AiterCall, BaseAiterKernel, aiter_function, aiter_weights)
-from moetune.runtime.kernels.base import MoEFn, MoEWeights
+from moetune.runtime.kernels.base import MoEFn, MoEWeights, write
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 
 BLOCK_SHAPE = (128, 128)
@@ -38,8 +38,10 @@ class AiterAsmBlockscaleKernel(BaseAiterKernel):
         asm_moe = aiter_function(cls.aiter_call)
         w13, w2, w13_scale, w2_scale = aiter_weights(weights)
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-            return asm_moe(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32),
-                           fc1_scale=w13_scale, fc2_scale=w2_scale, block_shape=BLOCK_SHAPE)
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+            return write(asm_moe(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32),
+                                 fc1_scale=w13_scale, fc2_scale=w2_scale,
+                                 block_shape=BLOCK_SHAPE), out)
 
         return run

@@ -14,7 +14,7 @@ import torch
 from moetune.runtime.kernels._aiter_asm import (
     AiterCall, BaseAiterKernel, aiter_function, aiter_weights, import_aiter)
 from moetune.runtime.kernels.aiter_fused_moe import ACTIVATION_TYPES
-from moetune.runtime.kernels.base import MoEFn, MoEWeights
+from moetune.runtime.kernels.base import MoEFn, MoEWeights, write
 from moetune.runtime.problem import MoEProblem, QuantScheme
 
 
@@ -39,8 +39,10 @@ class AiterAsmTkw1Kernel(BaseAiterKernel):
         w13, w2, w13_scale, w2_scale = aiter_weights(weights)
         activation = getattr(aiter.ActivationType, ACTIVATION_TYPES[problem.activation])
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-            return asm_moe_tkw1(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32),
-                                fc1_scale=w13_scale, fc2_scale=w2_scale, activation=activation)
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+            return write(asm_moe_tkw1(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32),
+                                      fc1_scale=w13_scale, fc2_scale=w2_scale,
+                                      activation=activation), out)
 
         return run

@@ -14,7 +14,7 @@ import torch
 
 from moetune.runtime.kernels._aiter_asm import (
     AiterCall, BaseAiterKernel, aiter_function, aiter_weights, import_aiter)
-from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
+from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param, write
 from moetune.runtime.problem import Activation, MoEProblem, QuantScheme
 
 #: Our scheme -> aiter ``QuantType`` member, as vLLM maps it (block 128x128 is ``per_128x128``,
@@ -53,10 +53,11 @@ class AiterFusedMoeKernel(BaseAiterKernel):
         block_m = params["block_size_M"] or None  # None: aiter decides
         on_input = problem.router_weight_on_input
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-            return fused_moe(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32),
-                             activation=activation, quant_type=quant_type,
-                             doweight_stage1=on_input, w1_scale=w13_scale, w2_scale=w2_scale,
-                             block_size_M=block_m)
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+            return write(fused_moe(x, w13, w2, topk_weights.float(), topk_ids.to(torch.int32),
+                                   activation=activation, quant_type=quant_type,
+                                   doweight_stage1=on_input, w1_scale=w13_scale,
+                                   w2_scale=w2_scale, block_size_M=block_m), out)
 
         return run

@@ -14,7 +14,7 @@ Its variants are the table at the end of this module. Each differs from it in th
   the search decides where that pays.
 
 Every variant shares the device rules, activation quantization and the second GEMM with its
-top-k reduce.
+top-k reduce, summed into the caller's output when it passes one.
 """
 
 from __future__ import annotations
@@ -159,14 +159,15 @@ class AiterTritonKernel(BaseKernel):
         block_m1, block_m2 = config1["BLOCK_SIZE_M"], config2["BLOCK_SIZE_M"]
         mul_weight = not problem.router_weight_on_input
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
             m, topk = topk_ids.shape
             routing1 = align(topk_ids, block_m1, num_experts)
             routing2 = routing1 if block_m2 == block_m1 else align(topk_ids, block_m2, num_experts)
             h = first(x, topk_weights, topk_ids, routing1)
             y = x.new_empty(m, topk, hidden)
             gemm2(h, y, topk_weights, topk_ids, routing2, mul_weight, 1)
-            return y.sum(dim=1)
+            return torch.sum(y, dim=1, out=out)
 
         return run
 

@@ -5,7 +5,8 @@ share of GEMM2 into an (M, topk, H) output (float32 for bfloat16 layers); the in
 aiter's kernel fuses gated SiLU only, multiplies the router weight after GEMM2, and has no
 working fp8 path (GEMM2's input is never quantized: "TODO scale acc"). It takes the sorted-id
 length and the hidden size as compile-time constants, so the length is rounded up to a power of
-two to bound recompiles (it still recompiles for each num_tokens below BLOCK_SIZE_M).
+two to bound recompiles (it still recompiles for each num_tokens below BLOCK_SIZE_M). The
+top-k sum of that output is written into the caller's.
 """
 
 from __future__ import annotations
@@ -79,15 +80,16 @@ class AiterTritonE2EKernel(AiterTritonKernel):
         w13, w2 = weights.w13, weights.w2
         num_experts, hidden = w2.shape[0], w2.shape[1]
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
             m, topk = topk_ids.shape
             length = triton.next_power_of_2(padded_length(topk_ids.numel(), block_m, num_experts))
             routing = align(topk_ids, block_m, num_experts, length)
             # The wrapper accumulates bfloat16 outputs in a float32 copy; others in place.
-            out = torch.zeros(m, topk, hidden, dtype=x.dtype, device=x.device)
-            out = e2e.e2e_moe(x, w13, w2, None, out, None, None, None, topk_weights,
-                              routing.sorted_token_ids, topk_ids, routing.expert_ids,
-                              routing.num_tokens_post_padded, True, topk, False, False, config)
-            return out.sum(dim=1)
+            y = torch.zeros(m, topk, hidden, dtype=x.dtype, device=x.device)
+            y = e2e.e2e_moe(x, w13, w2, None, y, None, None, None, topk_weights,
+                            routing.sorted_token_ids, topk_ids, routing.expert_ids,
+                            routing.num_tokens_post_padded, True, topk, False, False, config)
+            return torch.sum(y, dim=1, out=out)
 
         return run

@@ -7,7 +7,7 @@ import abc
 import dataclasses
 import enum
 import importlib.util
-from typing import Any, Callable, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -17,8 +17,26 @@ from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 
 
-#: ``fn(hidden_states[M, H], topk_weights[M, topk] float32, topk_ids[M, topk]) -> out[M, H]``.
-MoEFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+class MoEFn(Protocol):
+    """``fn(hidden_states[M, H], topk_weights[M, topk] float32, topk_ids[M, topk], out=None)
+    -> out[M, H]`` in the input's dtype.
+
+    ``out``, when given, is where the result goes (a contiguous (M, H) tensor of the input's
+    dtype that aliases no input): serving passes the engine's output buffer, so no copy follows
+    the kernel. The callable returns it; without it the result is a new tensor.
+    """
+
+    def __call__(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                 out: torch.Tensor | None = None) -> torch.Tensor: ...
+
+
+def write(result: torch.Tensor, out: torch.Tensor | None,
+          dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``result`` as a prepared callable returns it: copied into ``out`` when given (one copy
+    that also casts), else cast to ``dtype``. For kernels whose last result is a new tensor."""
+    if out is not None:
+        return out.copy_(result)
+    return result if dtype is None else result.to(dtype)
 
 
 class WeightLayout(str, enum.Enum):

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from moetune.runtime.kernels._math import activate
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, write
 from moetune.runtime.kernels.quant import dequantize
 from moetune.runtime.problem import MoEProblem, QuantScheme
 
@@ -23,15 +23,16 @@ class ReferenceKernel(BaseKernel):
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
         w13, w2 = dequantize(weights)
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
             xf = x.float()
-            out = torch.zeros_like(xf)
+            acc = torch.zeros_like(xf)
             for e in topk_ids.unique().tolist():
                 tok, slot = torch.nonzero(topk_ids == e, as_tuple=True)
                 weight = topk_weights[tok, slot].float().unsqueeze(1)
                 inp = xf[tok] * weight if problem.router_weight_on_input else xf[tok]
                 y = activate(inp @ w13[e].T, problem) @ w2[e].T
-                out.index_add_(0, tok, y if problem.router_weight_on_input else y * weight)
-            return out.to(x.dtype)
+                acc.index_add_(0, tok, y if problem.router_weight_on_input else y * weight)
+            return write(acc, out, x.dtype)
 
         return run

@@ -32,8 +32,10 @@ class TorchDenseKernel(BaseKernel):
         w13, w2 = weights.w13, weights.w2
         num_experts = w13.shape[0]
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-            out = torch.empty_like(x)
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+            if out is None:
+                out = torch.empty_like(x)
             for s in range(0, x.shape[0], chunk):
                 xs, ids, tw = x[s:s + chunk], topk_ids[s:s + chunk], topk_weights[s:s + chunk]
                 # (M, E) routing weight of each expert for each token, zero where not routed.

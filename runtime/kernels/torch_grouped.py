@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from moetune.runtime.kernels._math import activate
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, write
 from moetune.runtime.kernels.quant import dequantize_fp8
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
@@ -53,7 +53,8 @@ class TorchGroupedKernel(BaseKernel):
         num_experts = weights.w13.shape[0]
         on_input = problem.router_weight_on_input
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
             topk = topk_ids.shape[1]
             flat_ids = topk_ids.reshape(-1)
             order = torch.argsort(flat_ids, stable=True)
@@ -68,9 +69,9 @@ class TorchGroupedKernel(BaseKernel):
             y = torch._grouped_mm(h.to(x.dtype), w2_t, offs=offsets).float()
             if not on_input:
                 y = y * weight
-            out = torch.empty_like(y)
-            out[order] = y
-            return out.view(-1, topk, x.shape[1]).sum(dim=1).to(x.dtype)
+            unpermuted = torch.empty_like(y)
+            unpermuted[order] = y
+            return write(unpermuted.view(-1, topk, x.shape[1]).sum(dim=1), out, x.dtype)
 
         return run
 

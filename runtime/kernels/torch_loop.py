@@ -7,7 +7,7 @@ from typing import Any, Callable
 import torch
 
 from moetune.runtime.kernels._math import activate
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, write
 from moetune.runtime.kernels.quant import dequantize_fp8
 from moetune.runtime.problem import MoEProblem, QuantScheme
 
@@ -32,8 +32,9 @@ class TorchLoopKernel(BaseKernel):
         num_experts = weights.w13.shape[0]
         on_input = problem.router_weight_on_input
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+            acc = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
             flat_ids = topk_ids.reshape(-1)
             order = torch.argsort(flat_ids, stable=True)
             counts = torch.bincount(flat_ids, minlength=num_experts).tolist()
@@ -50,8 +51,8 @@ class TorchLoopKernel(BaseKernel):
                     inp = (inp * w).to(x.dtype)
                 w1, w2 = expert(e, x.dtype)
                 y = activate(inp @ w1.T, problem) @ w2.T
-                out.index_add_(0, tok, y.float() if on_input else y.float() * w)
-            return out.to(x.dtype)
+                acc.index_add_(0, tok, y.float() if on_input else y.float() * w)
+            return write(acc, out, x.dtype)
 
         return run
 

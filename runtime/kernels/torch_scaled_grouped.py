@@ -49,7 +49,8 @@ class TorchScaledGroupedKernel(BaseKernel):
         ends = torch.arange(1, num_experts + 1, device=w13_t.device)
         on_input = problem.router_weight_on_input
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
             m, topk = topk_ids.shape
             sorted_ids, order = torch.sort(topk_ids.reshape(-1), stable=True)
             offsets = torch.searchsorted(sorted_ids, ends.to(sorted_ids.dtype), out_int32=True)
@@ -62,9 +63,9 @@ class TorchScaledGroupedKernel(BaseKernel):
             q, scale = quantize_rows(activate(h, problem))
             scale = scale[:, 0] if on_input else scale[:, 0] * weight
             y = torch._scaled_grouped_mm(q, w2_t, scale, s2, offs=offsets, out_dtype=torch.bfloat16)
-            out = torch.empty_like(y)
-            out[order] = y
-            return out.view(m, topk, -1).sum(dim=1)
+            unpermuted = torch.empty_like(y)
+            unpermuted[order] = y
+            return torch.sum(unpermuted.view(m, topk, -1), dim=1, out=out)
 
         return run
 

@@ -84,12 +84,14 @@ class VllmCpuExpertsKernel(BaseKernel):
         act = problem.activation.value
         on_input = problem.router_weight_on_input
 
-        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                out: torch.Tensor | None = None) -> torch.Tensor:
             if on_input:  # what vLLM's prepare step does (top-1 only) before the experts run
                 x = x * topk_weights.to(x.dtype)
             if topk_ids.dtype != torch.int32:
                 topk_ids = topk_ids.to(torch.int32)
-            out = torch.empty_like(x)
+            if out is None:
+                out = torch.empty_like(x)
             fused_moe(out, x, w13, w2, None, None, topk_weights, topk_ids, on_input, act, isa)
             return out
 
@@ -107,10 +109,12 @@ def _prepare_fp8(weights: MoEWeights) -> MoEFn:
     fused_experts = vllm.ops.fused_experts_cpu
     method = vllm.ops.CPUQuantMethod.FP8_W8A16
 
-    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
         if topk_ids.dtype != torch.int32:
             topk_ids = topk_ids.to(torch.int32)
-        out = torch.empty_like(x)
+        if out is None:
+            out = torch.empty_like(x)
         fused_experts(out, x, w13, w2, topk_weights, topk_ids, method, s13, s2, None, None,
                       [128, 128], None, None, None, None, True)
         return out

@@ -105,7 +105,8 @@ class Layer:
         return self.original(self.experts, *args)
 
     def _ran(self, step: Step, call: ApplyCall) -> bool:
-        """Run the winner into ``call.output``; False where vLLM's kernel must run instead.
+        """Run the winner, which writes into ``call.output`` itself; False where vLLM's kernel
+        must run instead (it then overwrites whatever a failed winner wrote there).
 
         A kernel that is not ``graph_safe`` never runs while a CUDA graph is being captured
         (its host sync would break the capture): vLLM's kernel is captured instead.
@@ -117,11 +118,10 @@ class Layer:
         if call.apply_router_weight_on_input:
             weights = torch.ones_like(weights)
         try:
-            result = step.fn(call.hidden_states, weights, call.topk_ids)
+            step.fn(call.hidden_states, weights, call.topk_ids, out=call.output)
         except Exception as e:  # noqa: BLE001 - serving goes on with vLLM's kernel
             self.failed(step, e)
             return False
-        call.output.copy_(result)
         self.counts[_HIT] += 1
         return True
 
