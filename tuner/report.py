@@ -62,7 +62,7 @@ def speedup_markdown(snapshot: db.TableSnapshot, sku: SKU) -> str:
     for label in dict.fromkeys(_shape_label(r.bucket) for r in rows):
         shape_rows = [r for r in rows if _shape_label(r.bucket) == label]
         lines += [f"### {label}", "",
-                  "| M | winner | us | vLLM's pick here | its us | speedup (round ratios) | "
+                  "| M | winner | us | vLLM's pick here | its us | speedup (interval) | "
                   "other variants: us, speedup | served |",
                   "|---|---|---|---|---|---|---|---|"]
         gains = []

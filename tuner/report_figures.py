@@ -46,8 +46,8 @@ def draw_figures(data: ReportData, directory: Path) -> dict[str, list[Picture]]:
             _save(_speedup(shape), directory, f"speedup-{shape.slug}.png",
                   f"{name}: speedup over the rule per bucket",
                   "Speedup of the winner over the rule per bucket (bars from 1x; whiskers: the "
-                  "lowest and highest confirmation round but one; markers: the other rule "
-                  "variants). Hatched, labelled bars: stale or invalid rows."),
+                  "speedup's confidence interval from the confirmation rounds; markers: the "
+                  "other rule variants). Hatched, labelled bars: stale or invalid rows."),
             _save(_times(shape), directory, f"time-{shape.slug}.png",
                   f"{name}: time against num_tokens with floors",
                   "Time per MoE call against num_tokens (log-log): the winner (band: p20-p80), "
@@ -137,7 +137,7 @@ def _speedup(shape: ShapeView) -> Figure:
     present = sorted({b.status for b in shape.buckets}, key=list(RowStatus).index)
     handles = [Patch(facecolor=_STATUS_STYLE[s][0], hatch=_STATUS_STYLE[s][1], edgecolor="#333",
                      label=s.value) for s in present]
-    handles.append(ax.vlines([], 0, 0, color="#111", label="round ratios (lowest-highest but one)"))
+    handles.append(ax.vlines([], 0, 0, color="#111", label="speedup interval (confirmation)"))
     others = list(dict.fromkeys(_short(v.label) for b in shape.buckets for v in b.others))
     if others:
         name = others[0] if len(others) == 1 else "other rule variants"

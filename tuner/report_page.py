@@ -197,7 +197,7 @@ def _shape(shape: ShapeView, pictures: list[Picture], has_trials: bool) -> str:
                 + (f" Also timed beside every winner: {e('; '.join(others))}." if others else "")
                 + "</p>")
     head = ["M", "status", "winner", "params", "winner us", "p20-p80 us", "rule us",
-            "speedup", "round ratios"]
+            "speedup", "speedup interval"]
     for label in others:
         head += [f"{label}: us", "speedup"]
     winners = _table(f"rows-{shape.slug}", head, [_winner_row(b, others) for b in shape.buckets])
@@ -315,7 +315,8 @@ def _method() -> str:
         "kernel with the config vLLM picks (its tuned file's entry, else its default config), "
         "on the CPU vLLM's CPU kernel. <b>Speedup</b> is the table's: the rule's time over the "
         "winner's, both timed in the same interleaved confirmation rounds; the bar's whisker "
-        "spans the lowest and highest round but one. Other rule variants (what a vLLM without "
+        "is the speedup's confidence interval from those rounds (a Student-t interval). "
+        "Other rule variants (what a vLLM without "
         "tuned files, say, would run) are the markers.",
         "<b>Status</b> is the table's own check (<code>row_verdict</code>) as serving on the "
         f"table's GPU would decide it, with the rule as computed here ({e(here)}"
