@@ -26,7 +26,7 @@ from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Key, Measurer, Result
 from moetune.tuner.procs.compile_pool import CompilePool
 from moetune.tuner.procs.measurer import IsolatedMeasurer
-from moetune.tuner.search import search
+from moetune.tuner.search import REFINE, TRIALS, search
 from moetune.tuner.timing import Timing
 
 
@@ -35,7 +35,9 @@ class BucketOptions:
     """How each bucket is searched and measured."""
 
     device: str = "cpu"
-    trials: int = 24
+    trials: int = TRIALS
+    #: Evaluations of the local search after the trials (``search``).
+    refine: int = REFINE
     seed: int = 0
     routing: Routing = Routing.UNIFORM
     reps: int = 20
@@ -125,8 +127,8 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
         measurer = worker or Measurer(problem, lane.device or opts.device, registry,
                                       routing=opts.routing, seed=opts.seed, reps=opts.reps)
         searching = time.perf_counter()
-        results = search(problem, sku, measurer, candidates, trials=opts.trials, seed=opts.seed,
-                         known=known, storage=opts.optuna_storage, compiler=pool,
+        results = search(problem, sku, measurer, candidates, trials=opts.trials, refine=opts.refine,
+                         seed=opts.seed, known=known, storage=opts.optuna_storage, compiler=pool,
                          progress=on_trial)
         confirming = time.perf_counter()
         decision = confirm(problem, sku, measurer, results)

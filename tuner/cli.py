@@ -26,6 +26,7 @@ from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
 from moetune.tuner.bucket import BucketOutcome
 from moetune.tuner.job import JobOptions, run_job
+from moetune.tuner.search import REFINE, TRIALS
 from moetune.tuner.shapes import ShapeOptions, parse_buckets, problems_from_misses, resolve
 
 # vLLM warns when its CPU kernels are first imported ("Triton is installed, but doesn't include
@@ -97,7 +98,10 @@ def tune(
     topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
     router_weight_on_input: OnInput = None, device: DeviceOpt = Device.auto,
     buckets: Annotated[Optional[str], typer.Option(help="num_tokens list, e.g. 1,8,64")] = None,
-    trials: Annotated[int, typer.Option(min=1, help="Optuna trials per bucket")] = 24,
+    trials: Annotated[int, typer.Option(min=1, help="Optuna trials per bucket")] = TRIALS,
+    refine: Annotated[int, typer.Option(
+        min=0, help="Evaluations of the local search from the best after the trials (one-step "
+        "moves of one parameter while they gain; 0: none)")] = REFINE,
     routing: Annotated[Routing, typer.Option(help="Expert load distribution")] = Routing.UNIFORM,
     seed: Annotated[int, typer.Option(help="Seed for inputs and the sampler")] = 0,
     reps: Annotated[int, typer.Option(min=2, help="Timed repetitions per measurement")] = 20,
@@ -128,22 +132,22 @@ def tune(
         problems = [shape.problem(m) for m in parse_buckets(buckets, default_buckets)]
     sku = detect_sku(device.value)
     dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
-    opts = JobOptions(device=dev, trials=trials, seed=seed, routing=routing, reps=reps,
+    opts = JobOptions(device=dev, trials=trials, refine=refine, seed=seed, routing=routing, reps=reps,
                       optuna_storage=optuna_storage, isolate=isolate,
                       compile_workers=compile_workers, devices=_gpus(gpus, dev, sku),
                       skip_tuned=skip_tuned)
     shown = db.display_url(output) if db.is_url(output) else output
     out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {shown}")
     with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("", total=trials)
+        task = progress.add_task("", total=trials + refine)  # the local search may stop early
 
         def on_bucket(o: BucketOutcome) -> None:
             if not opts.devices:  # one bucket at a time: a bar per bucket
-                progress.reset(task, total=trials)
+                progress.reset(task, total=trials + refine)
             out.print(report.outcome_line(o), highlight=False)
 
         if opts.devices:
-            progress.reset(task, total=trials * len(problems))
+            progress.reset(task, total=(trials + refine) * len(problems))
 
         def on_trial() -> None:
             progress.advance(task)

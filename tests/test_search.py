@@ -1,0 +1,88 @@
+"""The search's local phase: one-step moves from the best, within its budget."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from moetune.runtime.kernels.base import BaseKernel, Param
+from moetune.runtime.registry import default_registry
+from moetune.runtime.rules import rule_choice
+from moetune.tuner.measure import Result, Status
+from moetune.tuner.search import neighbours, search
+from moetune.tuner.timing import Timing
+
+OPTIMUM = {"a": 4, "b": 2, "c": 5}
+
+
+class Bowl(BaseKernel):
+    """A kernel whose time is a bowl over three ordered parameters, seeded in a far corner."""
+
+    name = "bowl"
+    params = (Param("a", (1, 2, 3, 4, 5)), Param("b", (1, 2, 3, 4, 5)),
+              Param("c", (1, 2, 3, 4, 5)))
+
+    @classmethod
+    def seed_params(cls, problem, sku) -> dict[str, Any]:
+        return {"a": 1, "b": 5, "c": 1}
+
+    @classmethod
+    def prepare(cls, problem, params, weights):
+        raise AssertionError("the fake measurer never runs a kernel")
+
+
+class BowlMeasurer:
+    """Times from a formula; the rule's kernel is slow. Keeps the order of what it was asked."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, dict[str, Any]]] = []
+
+    def measure(self, kernel: str, params: dict[str, Any], cutoff_us: float | None = None) -> Result:
+        self.calls.append((kernel, params))
+        us = 100 + sum((params[k] - v) ** 2 for k, v in OPTIMUM.items()) if kernel == "bowl" \
+            else 1000.0
+        return Result(kernel, params, Status.OK, Timing(us, us, us, 1, "formula"))
+
+    def retime(self, kernel: str, params: dict[str, Any], reps: int) -> Timing:
+        raise AssertionError("the search never re-times")
+
+
+@pytest.fixture
+def candidates(small_problem, cpu_sku) -> list[type[BaseKernel]]:
+    return [default_registry.get(rule_choice(small_problem, cpu_sku).kernel), Bowl]
+
+
+def bowl_calls(measurer: BowlMeasurer) -> list[dict[str, Any]]:
+    return [p for k, p in measurer.calls if k == "bowl"]
+
+
+def test_local_search_walks_from_the_seed_to_the_optimum_and_stops_there(
+        small_problem, cpu_sku, candidates):
+    measurer = BowlMeasurer()
+    results = search(small_problem, cpu_sku, measurer, candidates, trials=2, refine=200)
+    best = min(results.values(), key=lambda r: r.median_us)
+    assert best.params == OPTIMUM
+    calls = bowl_calls(measurer)
+    assert len(calls) < 60  # it stopped where no move gains, far short of its budget
+    assert len({tuple(sorted(p.items())) for p in calls}) == len(calls)  # never re-measured
+
+
+def test_local_search_spends_at_most_its_budget(small_problem, cpu_sku, candidates):
+    without, within = BowlMeasurer(), BowlMeasurer()
+    search(small_problem, cpu_sku, without, candidates, trials=2, refine=0)
+    search(small_problem, cpu_sku, within, candidates, trials=2, refine=7)
+    assert len(within.calls) == len(without.calls) + 7
+    assert OPTIMUM not in bowl_calls(within)  # 7 moves cannot reach it from the far corner
+
+
+def test_neighbours_move_one_parameter_one_step():
+    class Mixed(Bowl):
+        params = (Param("n", (16, 32, 64)), Param("mode", ("atomic", "ordered", "two_pass")))
+
+    moves = neighbours(Mixed, {"n": 16, "mode": "ordered"})
+    assert moves == [{"n": 32, "mode": "ordered"}, {"n": 16, "mode": "atomic"},
+                     {"n": 16, "mode": "two_pass"}]
+    # A value outside the declared choices (a vLLM tuned-file config) is kept, the rest move.
+    assert neighbours(Mixed, {"n": 8, "mode": "atomic"}) == [
+        {"n": 8, "mode": "ordered"}, {"n": 8, "mode": "two_pass"}]
