@@ -29,7 +29,9 @@ how often, and after how many evaluations, the search reaches 99% of the exhaust
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import gzip
 import itertools
 import json
 import math
@@ -63,14 +65,17 @@ POLISH_REPS = 20
 
 # --- the store -------------------------------------------------------------------------------
 class Store:
-    """Append-only JSON lines: a header, then one result per (bucket, kernel, params, phase)."""
+    """Append-only JSON lines: a header, then one result per (bucket, kernel, params, phase).
+    A ``.gz`` store is read compressed (how a finished one is committed)."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self.header: dict[str, Any] = {}
         self.results: dict[tuple[int, str], dict[Key, Result]] = {}
         if path.exists():
-            for line in path.read_text().splitlines():
+            text = gzip.decompress(path.read_bytes()).decode() if path.suffix == ".gz" \
+                else path.read_text()
+            for line in text.splitlines():
                 if line.strip():
                     self._take(json.loads(line))
 
@@ -334,11 +339,16 @@ def cmd_replay(args: argparse.Namespace) -> None:
     store = Store(args.store)
     header = store.header
     sku = SKU.from_row(header["sku"])
+    if args.without_tuned_files:  # a GPU name no tuned file is for: vLLM's default config rules
+        sku = dataclasses.replace(sku, name=f"{sku.name} without tuned files")
     shape, _ = resolve(ShapeOptions(preset=header["preset"]))
     trials = [int(t) for t in args.trials.split(",")]
     batches = [int(b) for b in args.batches.split(",")]
+    refines = [int(r) for r in args.refine.split(",")]
     buckets = sorted({b for b, _ in store.results})
-    out = [f"# Search audit: {header['preset']} on {SKU.from_row(header['sku']).label()}", "",
+    rule = "vLLM's default config" if args.without_tuned_files else "vLLM's tuned-file config"
+    out = [f"# Search audit: {header['preset']} on {SKU.from_row(header['sku']).label()}, "
+           f"the rule's pick {rule}", "",
            f"- timed {header['date']} at commit {header['commit']}; grid repetitions "
            f"{header['reps']}, the fastest {POLISH} of each family and the references again "
            f"with {header['polish_reps']}",
@@ -355,16 +365,17 @@ def cmd_replay(args: argparse.Namespace) -> None:
             kernels = [default_registry.get(k) for k in family]
             best = min((_time(r) for r in timed.values() if r.kernel in family), default=math.inf)
             out += [f"#### Search over {' + '.join(family)}: exhaustive best {best:.1f} us", "",
-                    "| trials | batch | within 1% (of seeds) | found/best: median, worst | "
-                    "evaluations to 1%: median, max | evaluations | misses |",
-                    "|---|---|---|---|---|---|---|"]
-            for t, b in itertools.product(trials, batches):
-                runs = [_replay(problem, sku, kernels, timed, model, t, s, b, best)
+                    "| trials | local search | batch | within 1% (of seeds) | "
+                    "found/best: median, worst | evaluations to 1%: median, max | evaluations "
+                    "| misses |",
+                    "|---|---|---|---|---|---|---|---|"]
+            for t, refine, b in itertools.product(trials, refines, batches):
+                runs = [_replay(problem, sku, kernels, timed, model, t, refine, s, b, best)
                         for s in range(args.seeds)]
                 hit = [r[1] for r in runs if r[1] is not None]
                 ratios = [best / r[0] for r in runs]
                 out.append(
-                    f"| {t} | {b} | {len(hit)}/{len(runs)} | {statistics.median(ratios):.3f}, "
+                    f"| {t} | {refine} | {b} | {len(hit)}/{len(runs)} | {statistics.median(ratios):.3f}, "
                     f"{min(ratios):.3f} | "
                     + (f"{statistics.median(hit):.0f}, {max(hit)}" if hit else "-")
                     + f" | {statistics.mean(r[2] for r in runs):.0f} | {sum(r[3] for r in runs)} |")
@@ -373,14 +384,14 @@ def cmd_replay(args: argparse.Namespace) -> None:
 
 
 def _replay(problem: MoEProblem, sku: SKU, kernels: list[type[BaseKernel]],
-            timed: dict[Key, Result], model: PairModel, trials: int, seed: int, batch: int,
-            best: float) -> tuple[float, int | None, int, int]:
+            timed: dict[Key, Result], model: PairModel, trials: int, refine: int, seed: int,
+            batch: int, best: float) -> tuple[float, int | None, int, int]:
     """One replayed search: (found, evaluations until within 1% of ``best`` or None,
     evaluations, misses)."""
     from moetune.tuner.search import search
 
     measurer = ReplayMeasurer(timed, model)
-    search(problem, sku, measurer, kernels, trials=trials, seed=seed,
+    search(problem, sku, measurer, kernels, trials=trials, refine=refine, seed=seed,
            compiler=Batches(batch) if batch > 1 else None)
     times = [_time(r) for r in measurer.calls]
     first = next((i + 1 for i, t in enumerate(itertools.accumulate(times, min))
@@ -435,9 +446,12 @@ def main() -> None:
     t.add_argument("--commit", default="unknown", help="the commit timed (for the header)")
     r = sub.add_parser("replay", help="replay the tuner's search against the store")
     r.add_argument("--store", type=Path, required=True)
-    r.add_argument("--trials", default="8,16,24,32,48,64")
-    r.add_argument("--batches", default="1,8,15")
-    r.add_argument("--seeds", type=int, default=10)
+    r.add_argument("--trials", default="16,24,48")
+    r.add_argument("--refine", default="0,32", help="local-search budgets after the trials")
+    r.add_argument("--batches", default="1,8")
+    r.add_argument("--seeds", type=int, default=4)
+    r.add_argument("--without-tuned-files", action="store_true",
+                   help="search as on a GPU vLLM has no tuned file for (its default config rules)")
     args = parser.parse_args()
     {"time": cmd_time, "replay": cmd_replay}[args.command](args)
 

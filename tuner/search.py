@@ -4,7 +4,7 @@ local search from the best: one-step moves of one parameter at a time, while the
 
 The local search is what finds the best configs: replayed against exhaustively timed grids on
 an H200 (``scripts/audit_search.py``, bench/results/audit-h200-2026-12-01), the sampler alone
-stayed 8.4% short of the best at 2048 tokens and 1.1% at 64, with 16, 24 or 48 trials alike;
+stayed 9% slower than the best at 2048 tokens and 1% at 64, with 16, 24 or 48 trials alike;
 the local search came within 0.3% in every replay, using at most 32 evaluations."""
 
 from __future__ import annotations
