@@ -95,15 +95,23 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
         failed = dict(zip(ahead, compiler.compile(list(ahead.values())))) if compiler else {}
         for key, (name, params) in new.items():
             why = failed.get(key)
-            best = min((r.median_us for r in results.values() if r.status is Status.OK),
-                       default=None)
+            best = fastest()
             done(key, Result(name, params, Status.FAILED, reason=f"compiling ahead: {why}")
                  if why else measurer.measure(
-                     name, params, None if best is None else best * CUTOFF_FACTOR))
+                     name, params, None if best is None else best.median_us * CUTOFF_FACTOR))
 
     def fastest() -> Result | None:
         return min((r for r in results.values() if r.status is Status.OK),
                    key=lambda r: r.median_us, default=None)
+
+    def take(kernel: type[BaseKernel], params: dict[str, Any], key: Key,
+             new: dict[Key, tuple[str, dict[str, Any]]]) -> None:
+        """A configuration not tried yet: known from a resumed job, pruned, or to measure."""
+        why = kernel.check_params(problem, params)
+        if key in known or why:
+            done(key, known.get(key) or Result(kernel.name, params, Status.PRUNED, reason=why))
+        else:
+            new[key] = (kernel.name, params)
 
     while measured < trials and len(results) < space and asks < trials * _MAX_ASKS_PER_TRIAL:
         waiting: list[tuple[optuna.Trial, Key]] = []  # told once their batch is measured
@@ -116,12 +124,7 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
             params = kernel.suggest(trial)
             key = (kernel.name, params_key(params))
             if key not in results and key not in new:
-                why = kernel.check_params(problem, params)
-                if key in known or why:
-                    done(key, known.get(key) or Result(kernel.name, params, Status.PRUNED,
-                                                       reason=why))
-                else:
-                    new[key] = (kernel.name, params)
+                take(kernel, params, key, new)
             if key in results:
                 _tell(study, trial, results[key])
             else:
@@ -140,13 +143,8 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
         new = {}
         for params in neighbours(kernel, centre.params):
             key = (kernel.name, params_key(params))
-            if key in results or key in new or len(new) >= budget - measured:
-                continue
-            why = kernel.check_params(problem, params)
-            if key in known or why:
-                done(key, known.get(key) or Result(kernel.name, params, Status.PRUNED, reason=why))
-            else:
-                new[key] = (kernel.name, params)
+            if key not in results and key not in new and len(new) < budget - measured:
+                take(kernel, params, key, new)
         measure(new)
         moved = fastest()
         if moved is centre:
