@@ -32,6 +32,7 @@ KERNEL_PATHS: dict[str, str] = {
     "aiter_asm_tkw1": "moetune.runtime.kernels.aiter_asm_tkw1:AiterAsmTkw1Kernel",
     "aiter_asm_blockscale": "moetune.runtime.kernels.aiter_asm_blockscale:AiterAsmBlockscaleKernel",
     "moetune_decode": "moetune.runtime.kernels.moetune_decode:MoetuneDecodeKernel",
+    "moetune_grouped": "moetune.runtime.kernels.moetune_grouped:MoetuneGroupedKernel",
 }
 
 

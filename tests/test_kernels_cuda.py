@@ -38,7 +38,7 @@ FP8_TOLERANCE = 6e-2
 KERNELS = ["aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused",
            "aiter_triton_gelu_fused", "aiter_triton_e2e", "torch_scaled_grouped",
            "aiter_triton_persistent", "aiter_triton_silu_fused_persistent",
-           "aiter_triton_gelu_fused_persistent"]
+           "aiter_triton_gelu_fused_persistent", "moetune_grouped"]
 SHAPES = [
     MoEProblem(1, 256, 128, 8, 2, dtype="float16"),  # decode
     MoEProblem(3000, 384, 256, 128, 8),  # prefill, many experts
@@ -75,7 +75,10 @@ def _params(name: str, problem: MoEProblem) -> dict:
         return {}
     if name == "moetune_decode":
         return default_registry.get(name).seed_params(problem, H200)
-    return {**with_prefix(default, "g1_"), **with_prefix(OTHER, "g2_")}
+    split = {**with_prefix(default, "g1_"), **with_prefix(OTHER, "g2_")}
+    if name == "moetune_grouped":  # its dots need 16-row tiles; the fused reduce by default
+        return {**split, "g1_BLOCK_SIZE_M": max(16, default["BLOCK_SIZE_M"]), "REDUCE": "atomic"}
+    return split
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +124,7 @@ def test_kernel_output_is_capturable_in_a_cuda_graph(gpu_sku):
     problem = MoEProblem(24, 256, 128, 16, 2, quant="fp8_block_128x128")
     weights = make_weights(problem, "cuda", seed=1)
     batch = make_batch(problem, "cuda", seed=2)
-    for name in ("aiter_triton", "aiter_triton_silu_fused"):
+    for name in ("aiter_triton", "aiter_triton_silu_fused", "moetune_grouped"):
         fn = default_registry.get(name).prepare(problem, _params(name, problem), weights)
         eager = fn(*batch.args())
         graph = torch.cuda.CUDAGraph()
@@ -130,6 +133,28 @@ def test_kernel_output_is_capturable_in_a_cuda_graph(gpu_sku):
         graph.replay()
         torch.cuda.synchronize()
         assert relative_error(out, eager) < 1e-6, name
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("problem", [p for p in _problems() if p.topk > 1 and p.dtype.value != "float32"],
+                         ids=lambda p: p.describe().replace(" ", "-"))
+@pytest.mark.parametrize("reduce", ["atomic_out", "sum"])
+def test_grouped_reduces_match_reference(reduce, problem, gpu_sku):
+    """moetune_grouped's other reduces (atomics into the output, vLLM's separate sum) at the
+    tiles of the fused default: the same rows summed three ways."""
+    kernel = default_registry.get("moetune_grouped")
+    ok, why = kernel.supports(problem, gpu_sku)
+    if not ok:
+        pytest.skip(why)
+    params = kernel.validate({**_params("moetune_grouped", problem), "REDUCE": reduce})
+    assert kernel.check_params(problem, params) is None
+    weights = make_weights(problem, "cuda", seed=1)
+    batch = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF)
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    out = kernel.prepare(problem, params, weights)(*batch.args())
+    tol = FP8_TOLERANCE if problem.quant.is_fp8 else TOLERANCE[problem.dtype.value]
+    assert relative_error(out, ref) <= tol
 
 
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, num_stages) on both sides of 227 KiB in bfloat16.

@@ -329,3 +329,108 @@ def test_decode_constraints_drop_what_cannot_fit_or_repeats_another_point():
         assert why and word in why, (change, why)
     assert kernel.check_params(llama4, {**kernel.seed_params(llama4, H100), "SPLIT_K": 2,
                                         "REDUCE": "ordered"}) is None
+
+
+# --- moetune_grouped: the prefill kernel (grouped GEMMs, the top-k reduce fused) ----------------
+GROUPED_INTERPRETED = INTERPRETED and os.environ.get("MOETUNE_GROUPED_CHECKS") == "1"
+grouped_interpreted = pytest.mark.skipif(
+    not GROUPED_INTERPRETED, reason="runs inside test_grouped_checks_pass_in_a_fresh_process")
+_TILE = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1,
+         "num_warps": 4, "num_stages": 2}
+GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "atomic"}
+# Every reduce, top-1 (a direct store), the router weight on the input, ungated GELU, a GEMM2
+# tile of other rows (routing aligned twice), a GROUP_SIZE_M that reorders tiles, and tails:
+# H=72 and I=40 are multiples of no tile; 7 tokens x 3 slots leave padded rows in every block.
+GROUPED_CASES = [
+    (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
+    (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
+    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"), {"REDUCE": "atomic_out"}),
+    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"), {"g2_BLOCK_SIZE_M": 32, "REDUCE": "sum"}),
+    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"), {"g1_GROUP_SIZE_M": 16, "g2_BLOCK_SIZE_N": 64}),
+    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True), {}),
+    (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu", gated=False),
+     {"REDUCE": "sum"}),
+]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_grouped_checks_pass_in_a_fresh_process():
+    env = {**os.environ, "TRITON_INTERPRET": "1", "MOETUNE_GROUPED_CHECKS": "1"}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
+                          "grouped", __file__], check=False, env=env, capture_output=True,
+                         text=True, timeout=400)
+    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
+    expected = len(GROUPED_CASES)  # every interpreted grouped check ran
+    assert f"{expected} passed" in run.stdout.strip().splitlines()[-1], run.stdout[-2000:]
+
+
+@grouped_interpreted
+@pytest.mark.parametrize("problem,override", GROUPED_CASES, ids=_case_id)
+def test_grouped_kernel_matches_reference_interpreted(problem, override, cpu_sku):
+    kernel = default_registry.get("moetune_grouped")
+    assert kernel.supports(problem, cpu_sku) == (True, None)
+    params = kernel.validate({**GROUPED, **override})
+    assert kernel.check_params(problem, params) is None
+    weights = make_weights(problem, "cpu", seed=1)
+    batch = make_batch(problem, "cpu", seed=2)
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    out = torch.full_like(batch.x, float("nan"))
+    assert kernel.prepare(problem, params, weights)(*batch.args(), out=out) is out
+    assert relative_error(out, ref) <= TOLERANCE[problem.dtype.value]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_grouped_eligibility_names_devices_and_schemes(cpu_sku):
+    kernel = default_registry.get("moetune_grouped")
+    bf16 = MoEProblem(2048, 2048, 768, 128, 8)
+    block = MoEProblem(2048, 7168, 256, 256, 8, quant="fp8_block_128x128")
+    ok, why = kernel.supports(dataclasses.replace(bf16, dtype="float32"), cpu_sku)
+    assert not ok and "GPU" in why  # without TRITON_INTERPRET=1
+    verdicts = {arch: (kernel.supports(bf16, sku), kernel.supports(block, sku))
+                for arch, sku in DECODE_SKUS.items()}
+    assert verdicts["sm_90"] == ((True, None), (True, None))
+    assert verdicts["sm_80"][0] == (True, None) and "sm_89" in verdicts["sm_80"][1][1]
+    assert "sm_80 or newer" in verdicts["sm_75"][0][1]
+    assert verdicts["gfx942"][0] == (True, None) and "e4m3fnuz" in verdicts["gfx942"][1][1]
+    assert verdicts["gfx950"] == ((True, None), (True, None))
+    assert "gfx942/gfx950" in verdicts["gfx90a"][0][1]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_grouped_seeds_fit_every_preset_bucket():
+    from moetune.tuner.presets import PRESETS
+
+    kernel = default_registry.get("moetune_grouped")
+    for name, spec in PRESETS.items():
+        for m in spec.buckets:
+            problem = spec.shape.problem(m)
+            seed = kernel.seed_params(problem, H100)
+            assert seed is not None and kernel.validate(seed) == seed, (name, m, seed)
+            assert seed["g1_BLOCK_SIZE_M"] >= 16 and seed["g2_BLOCK_SIZE_M"] >= 16
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
+    kernel = default_registry.get("moetune_grouped")
+    qwen3 = MoEProblem(2048, 2048, 768, 128, 8)
+    llama4 = MoEProblem(2048, 5120, 1024, 128, 1, quant="fp8_per_channel",
+                        router_weight_on_input=True)
+    block = MoEProblem(2048, 7168, 256, 256, 8, quant="fp8_block_128x128")
+    # Gate and up tiles both stay in shared memory: 2 x (64x128 + 2 x 128x256) x 2 B > 227 KiB,
+    # where GEMM2's single weight tile (2 x (64x128 + 128x256) x 2 B) fits.
+    big = {"BLOCK_SIZE_M": 64, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 128, "num_stages": 2}
+    cases = [
+        (qwen3, with_prefix(big, "g1_"), "g1: needs"),
+        (qwen3, {"g2_BLOCK_SIZE_M": 8}, "16 rows"),
+        (block, {"g1_BLOCK_SIZE_K": 256, "g1_num_stages": 2}, "spans two"),
+        (llama4, {"REDUCE": "sum"}, "directly"),  # top-1: nothing to reduce
+        (dataclasses.replace(qwen3, dtype="float32"), {**with_prefix(_TILE, "g1_"),
+                                                       "REDUCE": "atomic_out"}, "float32"),
+    ]
+    for problem, change, word in cases:
+        params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),
+                  **change}
+        why = kernel.check_params(problem, params)
+        assert why and word in why, (change, why)
+    assert kernel.check_params(qwen3, {**kernel.seed_params(qwen3, H100),
+                                       **with_prefix(big, "g2_")}) is None

@@ -32,15 +32,14 @@ import triton
 import triton.language as tl
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
-from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
+from moetune.runtime.kernels._scales import CODES, scale_args
+from moetune.runtime.problem import Activation, DType, MoEProblem
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-QUANT_NONE, QUANT_TENSOR, QUANT_CHANNEL, QUANT_BLOCK = 0, 1, 2, 3
 ACT_SILU, ACT_GELU = 0, 1
 #: What ``_gemm2_reduce`` does with a program's partial sum.
 STORE, ATOMIC, PARTIAL = 0, 1, 2
-SCALE_BLOCK = 128
 
 
 @triton.jit
@@ -191,10 +190,10 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     """The prepared call: both launches bound to ``weights`` and ``params`` (``moetune_decode``'s
     parameter names), and the reduce ``params["REDUCE"]`` picks where there is one."""
     hidden, inter = weights.w2.shape[1], weights.w2.shape[2]
-    quant = _QUANT[problem.quant]
+    quant = CODES[problem.quant]
     w13, w2 = weights.w13, weights.w2
-    s13, s13_strides = _scale(weights.w13_scale, w13, quant)
-    s2, s2_strides = _scale(weights.w2_scale, w2, quant)
+    s13, s13_strides = scale_args(weights.w13_scale, w13, quant)
+    s2, s2_strides = scale_args(weights.w2_scale, w2, quant)
     bn1, bk1 = params["g1_BLOCK_N"], params["g1_BLOCK_K"]
     bn2, bk2 = params["g2_BLOCK_N"], params["g2_BLOCK_K"]
     split, reduce = params["SPLIT_K"], params["REDUCE"]
@@ -249,20 +248,3 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
         return out
 
     return run
-
-
-_QUANT = {QuantScheme.NONE: QUANT_NONE, QuantScheme.FP8_PER_TENSOR: QUANT_TENSOR,
-          QuantScheme.FP8_PER_CHANNEL: QUANT_CHANNEL, QuantScheme.FP8_BLOCK_128X128: QUANT_BLOCK}
-
-
-def _scale(scale: torch.Tensor | None, w: torch.Tensor,
-           quant: int) -> tuple[torch.Tensor, tuple[int, int, int]]:
-    """A scale tensor and its (expert, row block or row, column block) strides; unquantized
-    weights pass the weights themselves, never read."""
-    if quant == QUANT_NONE:
-        return w, (0, 0, 0)
-    if scale is None:
-        raise ValueError("fp8 weights need their scales (MoEWeights.w13_scale / w2_scale)")
-    scale = scale.float().contiguous()
-    strides = tuple(scale.stride()) + (0,) * (3 - scale.dim())
-    return scale, strides  # type: ignore[return-value]

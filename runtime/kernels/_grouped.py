@@ -1,0 +1,268 @@
+"""The Triton kernels of ``moetune_grouped``: a prefill MoE layer as two grouped GEMMs over routed
+pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no separate sum.
+
+1. ``_gemm1_act``: one program per (block of sorted pairs, tile of I). The gate and up tiles of
+   the block's expert are read once per K step and multiplied by the same activation tile (two
+   accumulators); the epilogue applies the scales, the router weight when it is on the input,
+   the activation and the gate product, and writes the activated intermediate (pairs, I).
+2. ``_gemm2_reduce``: one program per (block of sorted pairs, tile of H). The epilogue
+   multiplies the router weight and adds each row into its token's output row (``ATOMIC``: into
+   a float32 buffer or the output itself), stores it (``STORE``: top-1, nothing to reduce), or
+   stores the (pairs, H) rows a torch sum then reduces (``ROWS``: what vLLM does, kept so the
+   search measures the fused reduce against it on every GPU and shape).
+
+fp8 layers run W8A8 on fp8 tensor cores: activations are quantized per token (per 128-column
+group for block-fp8 weights) before each GEMM, and the epilogue applies the activation and
+weight scales (per expert, per output row, or per 128x128 block, where a K step lies inside one
+block column and each output column reads its row block's scale).
+
+``INTERPRET`` records whether Triton's CPU interpreter was on when these kernels were defined.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import triton
+import triton.language as tl
+
+from moetune.runtime.kernels._align import align
+from moetune.runtime.kernels._scales import CODES, QUANT_BLOCK, QUANT_NONE, SCALE_BLOCK, scale_args
+from moetune.runtime.kernels.base import MoEFn, MoEWeights
+from moetune.runtime.kernels.triton_config import config_of
+from moetune.runtime.problem import Activation, DType, MoEProblem
+
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+ACT_SILU, ACT_GELU = 0, 1
+#: What ``_gemm2_reduce`` does with a row of its tile.
+STORE, ATOMIC, ROWS = 0, 1, 2
+
+
+@triton.jit
+def _tile(pid, num_rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+          GROUP_M: tl.constexpr):
+    """The (row block, column tile) of program ``pid``, ``GROUP_M`` row blocks at a time so that
+    programs running together share weight tiles in L2."""
+    num_m = tl.cdiv(num_rows, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * num_n
+    first_m = (pid // per_group) * GROUP_M
+    size = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % size
+    pid_n = (pid % per_group) // size
+    return pid_m, pid_n
+
+
+@triton.jit
+def _gemm1_act(x_ptr, xs_ptr, w_ptr, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_ptr, post_ptr,
+               H, I, pairs, num_rows, stride_xm, stride_xsm, stride_we, stride_wn, stride_wk,
+               stride_se, stride_sn, stride_sk, stride_hm,
+               TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+               ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(post_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    valid = pair < pairs
+    token = (pair // TOPK).to(tl.int64)
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
+    gate_ptrs = (w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+                 + offs_k[:, None] * stride_wk)
+    up_ptrs = gate_ptrs + I * stride_wn
+    s_base = s_ptr + expert * stride_se
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        mask_k = offs_k < H - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if QUANT == 3:  # block scales: this K step lies in one 128-column block
+            group = (k * BLOCK_K) // 128
+            a_scale = tl.load(xs_ptr + token * stride_xsm + group, mask=valid, other=0.0)
+            w_scale = tl.load(s_base + (offs_n // 128) * stride_sn + group * stride_sk,
+                              mask=mask_n, other=0.0)
+            acc_gate += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc_gate = tl.dot(a, w, acc_gate)
+        if GATED:
+            w = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if QUANT == 3:
+                w_scale = tl.load(s_base + ((I + offs_n) // 128) * stride_sn + group * stride_sk,
+                                  mask=mask_n, other=0.0)
+                acc_up += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            else:
+                acc_up = tl.dot(a, w, acc_up)
+        a_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K * stride_wk
+        up_ptrs += BLOCK_K * stride_wk
+    if QUANT == 1 or QUANT == 2:  # per-token activation scales
+        row_scale = tl.load(xs_ptr + token * stride_xsm, mask=valid, other=0.0)
+        acc_gate *= row_scale[:, None]
+        acc_up *= row_scale[:, None]
+    if QUANT == 1:
+        acc_gate *= tl.load(s_base)
+        acc_up *= tl.load(s_base)
+    if QUANT == 2:
+        acc_gate *= tl.load(s_base + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
+        if GATED:
+            acc_up *= tl.load(s_base + (I + offs_n) * stride_sn, mask=mask_n, other=0.0)[None, :]
+    if ON_INPUT:  # (w * x) @ W == w * (x @ W): the weight scales the GEMM's output instead
+        weight = tl.load(tw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc_gate *= weight[:, None]
+        acc_up *= weight[:, None]
+    if ACT == 0:
+        act = acc_gate / (1.0 + tl.exp(-acc_gate))
+    else:
+        act = 0.5 * acc_gate * (1.0 + tl.erf(acc_gate * 0.7071067811865476))
+    if GATED:
+        act = act * acc_up
+    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
+    tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _gemm2_reduce(a_ptr, as_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, sorted_ptr, experts_ptr,
+                  post_ptr, H, I, pairs, num_rows, stride_am, stride_asm, stride_we, stride_wn,
+                  stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+                  TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                  MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(post_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    valid = pair < pairs
+    row = pair.to(tl.int64)
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = (w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+              + offs_k[:, None] * stride_wk)
+    s_base = s_ptr + expert * stride_se
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(I, BLOCK_K)):
+        mask_k = offs_k < I - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        if QUANT == 3:
+            group = (k * BLOCK_K) // 128
+            a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
+            w_scale = tl.load(s_base + (offs_n // 128) * stride_sn + group * stride_sk,
+                              mask=mask_n, other=0.0)
+            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+        else:
+            acc = tl.dot(a, w, acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if QUANT == 1 or QUANT == 2:
+        acc *= tl.load(as_ptr + row * stride_asm, mask=valid, other=0.0)[:, None]
+    if QUANT == 1:
+        acc *= tl.load(s_base)
+    if QUANT == 2:
+        acc *= tl.load(s_base + offs_n * stride_sn, mask=mask_n, other=0.0)[None, :]
+    if MUL_WEIGHT:
+        acc *= tl.load(tw_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
+    mask = valid[:, None] & mask_n[None, :]
+    if MODE == 2:  # one row per routed pair: a torch sum reduces them
+        tl.store(out_ptr + row[:, None] * stride_om + offs_n[None, :],
+                 acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        out_ptrs = out_ptr + (row // TOPK)[:, None] * stride_om + offs_n[None, :]
+        if MODE == 0:
+            tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.atomic_add(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+
+
+def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+    """The prepared call (``moetune_grouped``'s parameter names): routing once per distinct
+    BLOCK_SIZE_M, activation quantization for fp8, both GEMMs, and the reduce
+    ``params["REDUCE"]`` picks (top-1 stores its rows directly)."""
+    from moetune.runtime.kernels._act_quant import quantize_rows
+
+    config1, config2 = config_of(params, "g1_"), config_of(params, "g2_")
+    num_experts, hidden, inter = weights.w2.shape
+    quant = CODES[problem.quant]
+    w13, w2 = weights.w13, weights.w2
+    s13, s13_strides = scale_args(weights.w13_scale, w13, quant)
+    s2, s2_strides = scale_args(weights.w2_scale, w2, quant)
+    group = SCALE_BLOCK if quant == QUANT_BLOCK else None
+    act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
+    on_input = problem.router_weight_on_input
+    reduce = params["REDUCE"]
+    if problem.topk == 1:
+        mode, buffer = STORE, "out"
+    elif reduce == "sum":
+        mode, buffer = ROWS, "rows"
+    elif reduce == "atomic_out" or problem.dtype is DType.FLOAT32:
+        mode, buffer = ATOMIC, "out"
+    else:
+        mode, buffer = ATOMIC, "float32"
+
+    def quantize(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if quant == QUANT_NONE:
+            return a, a  # the scale pointer is never read
+        return quantize_rows(a, group)
+
+    def launch(kernel: Any, config: dict[str, int], rows: int, cols: int) -> Any:
+        block_m, block_n = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"]
+        grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
+        return kernel[grid]
+
+    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+            out: torch.Tensor | None = None) -> torch.Tensor:
+        m, topk = topk_ids.shape
+        pairs = m * topk
+        x = x if x.stride(1) == 1 else x.contiguous()
+        weights_flat = topk_weights.reshape(-1)
+        routing1 = align(topk_ids, config1["BLOCK_SIZE_M"], num_experts)
+        routing2 = (routing1 if config2["BLOCK_SIZE_M"] == config1["BLOCK_SIZE_M"]
+                    else align(topk_ids, config2["BLOCK_SIZE_M"], num_experts))
+        if out is None:
+            out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
+        xq, xs = quantize(x)
+        h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+        rows1 = routing1.sorted_token_ids.numel()
+        launch(_gemm1_act, config1, rows1, inter)(
+            xq, xs, w13, s13, weights_flat, h, routing1.sorted_token_ids, routing1.expert_ids,
+            routing1.num_tokens_post_padded, hidden, inter, pairs, rows1, xq.stride(0),
+            xs.stride(0), *w13.stride(), *s13_strides, h.stride(0), TOPK=topk,
+            GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
+            BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
+            BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"],
+            num_warps=config1["num_warps"], num_stages=config1["num_stages"])
+        hq, hs = quantize(h)
+        if buffer == "rows":
+            target = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
+        elif buffer == "float32":
+            target = torch.zeros((m, hidden), dtype=torch.float32, device=x.device)
+        else:
+            target = out.zero_() if mode == ATOMIC else out
+        rows2 = routing2.sorted_token_ids.numel()
+        launch(_gemm2_reduce, config2, rows2, hidden)(
+            hq, hs, w2, s2, weights_flat, target, routing2.sorted_token_ids, routing2.expert_ids,
+            routing2.num_tokens_post_padded, hidden, inter, pairs, rows2, hq.stride(0),
+            hs.stride(0), *w2.stride(), *s2_strides, target.stride(0), TOPK=topk, QUANT=quant,
+            MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
+            BLOCK_N=config2["BLOCK_SIZE_N"], BLOCK_K=config2["BLOCK_SIZE_K"],
+            GROUP_M=config2["GROUP_SIZE_M"], num_warps=config2["num_warps"],
+            num_stages=config2["num_stages"])
+        if buffer == "rows":
+            torch.sum(target.view(m, topk, hidden), dim=1, out=out)
+        elif buffer == "float32":
+            out.copy_(target)
+        return out
+
+    return run

@@ -1,0 +1,108 @@
+"""moetune's own prefill MoE kernel: two grouped GEMMs over pairs sorted by expert, the gated
+activation fused into the first and the weighted top-k reduce fused into the second
+(``_grouped`` holds the kernels and says how).
+
+vLLM's Triton path writes GEMM2's (M * topk, H) rows and sums them in another launch: at 2048
+tokens of a top-8 layer with H = 4096 that is 268 MB written and read again for a 16 MB
+result. Here each row is added into its token's output row as GEMM2 produces it (atomics into a
+float32 buffer, or into the output itself), and the search also measures vLLM's way
+(``REDUCE=sum``) so it keeps the fusion only where it pays.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from moetune.runtime.kernels._interpreter import interpreter_reason
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
+from moetune.runtime.kernels.triton_config import (
+    QUANT_BLOCK, config_of, config_params, operand_bytes, shared_memory_bytes,
+    shared_memory_limit, with_prefix)
+from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+from moetune.runtime.vllm.configs import vllm_config
+
+#: Where GEMM2's rows meet: ``atomic`` adds them into a float32 buffer then casts it (one torch
+#: copy); ``atomic_out`` adds into the output itself (each add rounds to the output dtype);
+#: ``sum`` stores the (pairs, H) rows and sums them with torch, as vLLM does.
+REDUCES = ("atomic", "atomic_out", "sum")
+#: ``tl.dot`` needs tiles of at least 16 rows.
+MIN_BLOCK_M = 16
+
+
+class MoetuneGroupedKernel(BaseKernel):
+    """Grouped-GEMM fused MoE for prefill: ``g1_*`` configures GEMM1 (+activation), ``g2_*``
+    GEMM2 (+weighted reduce), each in vLLM's config space."""
+
+    name = "moetune_grouped"
+    params = config_params("g1_") + config_params("g2_") + (Param("REDUCE", REDUCES),)
+    graph_safe = True  # routing by ``_align`` (no host sync), launches sized by shapes only
+    compiles = True
+    min_sm = 80
+    amd_archs = ("gfx942", "gfx950")
+    requires = ("triton",)
+    quants = frozenset(QuantScheme)  # fp8 where the device has e4m3fn, below
+
+    # --- eligibility -------------------------------------------------------------------------
+    @classmethod
+    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        reason = super()._supports_device(problem, sku)
+        if reason:
+            return reason
+        from moetune.runtime.kernels._grouped import INTERPRET
+
+        return interpreter_reason(problem, sku, INTERPRET)
+
+    @classmethod
+    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        if problem.quant.is_fp8:
+            if sku.vendor is Vendor.CPU:
+                return "fp8 does not run in Triton's CPU interpreter (numpy has no fp8)"
+            if sku.vendor is Vendor.NVIDIA and sku.sm < 89:
+                return f"fp8 tensor cores need sm_89 or newer, device is {sku.arch}"
+            if sku.vendor is Vendor.AMD and sku.arch != "gfx950":
+                return (f"moetune's fp8 is e4m3fn (OCP); {sku.arch} computes e4m3fnuz "
+                        "(gfx950 has e4m3fn)")
+        return super()._supports_quant(problem, sku)
+
+    # --- parameters --------------------------------------------------------------------------
+    @classmethod
+    def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
+        element = operand_bytes(problem)
+        for gemm, weight_tiles in (("g1", 2 if problem.gated else 1), ("g2", 1)):
+            config = config_of(params, f"{gemm}_")
+            block_m, block_n, block_k = (config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"],
+                                         config["BLOCK_SIZE_K"])
+            if block_m < MIN_BLOCK_M:
+                return f"{gemm}_BLOCK_SIZE_M={block_m}: tl.dot needs at least {MIN_BLOCK_M} rows"
+            # The pipeline keeps num_stages activation tiles and weight tiles (gate and up).
+            need = shared_memory_bytes(block_m, weight_tiles * block_n, block_k,
+                                       config["num_stages"], element)
+            if need > shared_memory_limit():
+                return (f"{gemm}: needs {need} B of shared memory, the GPU has "
+                        f"{shared_memory_limit()} B per block")
+            if problem.quant is QuantScheme.FP8_BLOCK_128X128 and QUANT_BLOCK[1] % block_k:
+                return (f"{gemm}_BLOCK_SIZE_K={block_k} spans two {QUANT_BLOCK[1]}-wide scale "
+                        "blocks")
+        reduce = params["REDUCE"]
+        if problem.topk == 1 and reduce != "atomic":
+            return f"top-1 stores its rows directly: REDUCE={reduce} changes nothing"
+        if problem.dtype is DType.FLOAT32 and reduce == "atomic_out":
+            return "float32 output: REDUCE=atomic already adds into the output"
+        return None
+
+    @classmethod
+    def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
+        """vLLM's config for both GEMMs (at least 16 rows per tile) with the fused reduce, so
+        the family starts where serving is; None where that config does not fit here."""
+        config = dict(vllm_config(problem, sku)[0])
+        config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
+        seed = with_prefix(config, "g1_") | with_prefix(config, "g2_") | {"REDUCE": "atomic"}
+        return seed if cls.check_params(problem, seed) is None else None
+
+    # --- execution ---------------------------------------------------------------------------
+    @classmethod
+    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+        from moetune.runtime.kernels._grouped import launcher
+
+        return launcher(problem, params, weights)

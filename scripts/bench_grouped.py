@@ -1,0 +1,152 @@
+"""moetune_grouped against the shipped table's winner and vLLM's pick, at the same tiles, with
+the top-k reduce fused (atomics) and not (vLLM's separate sum), on one GPU.
+
+Usage: VLLM_TUNED_CONFIG_FOLDER=/path/to/vllm/fused_moe/configs \\
+       python scripts/bench_grouped.py [--presets qwen3-30b-a3b,...] [--tokens 256,1024,4096]
+           [--budget-s 300] [--commit SHA] [--json OUT.jsonl] > report.md
+
+Per preset and num_tokens, timed side by side in one process (``tuner.timing.time_op``: median
+over CUDA-graph replays of 10 calls, each on its own batch), every config gated against the
+float32 reference first:
+
+* ``vllm``: the CUDA rule's pick (vLLM's tuned config for the shape and GPU, else its default);
+* ``table``: the shipped table's row for the bucket (``runtime/tables/<SKU>.db``);
+* ``grouped <REDUCE>``: moetune_grouped with the table winner's GEMM1 and GEMM2 tiles where it
+  has a config per GEMM (else vLLM's config for both), for each reduce: the same tiles with and
+  without the fusion, so the difference is the reduce alone.
+
+After ``--budget-s`` seconds the remaining rows are skipped (said so in the report).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+import time
+from typing import Any
+
+import torch
+
+from moetune.runtime.dispatcher import Dispatcher, shipped_table
+from moetune.runtime.kernels.triton_config import SPACE
+from moetune.runtime.platform import detect_sku, environment
+from moetune.runtime.problem import MoEProblem
+from moetune.runtime.registry import default_registry
+from moetune.runtime.rules import rule_choice
+from moetune.tuner import roofline
+from moetune.tuner.gate import relative_error, tolerance
+from moetune.tuner.inputs import make_batch, make_weights
+from moetune.tuner.presets import preset
+from moetune.tuner.timing import time_op
+
+KERNEL = "moetune_grouped"
+PRESETS = ("qwen3-30b-a3b", "qwen3-235b-a22b", "deepseek-v3", "mixtral-8x7b", "llama-4-maverick")
+GRAPH_CALLS = 10
+CEILINGS = roofline.Ceilings(hbm_bytes_per_s=4.28e12, bf16_flops=774e12, fp8_flops=1410e12)
+
+
+def grouped_params(problem: MoEProblem, winner: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """moetune_grouped at the winner's tiles (or its seed's), once per valid reduce."""
+    kernel = default_registry.get(KERNEL)
+    base = kernel.seed_params(problem, detect_sku("cuda")) or {}
+    if winner and all(f"g{g}_{name}" in winner for g in (1, 2) for name in SPACE):
+        base = {k: v for k, v in winner.items() if k[:3] in ("g1_", "g2_")}
+        for g in ("g1_", "g2_"):  # tl.dot needs 16 rows
+            base[g + "BLOCK_SIZE_M"] = max(16, base[g + "BLOCK_SIZE_M"])
+    out = []
+    for reduce in ("atomic", "atomic_out", "sum"):
+        params = {**base, "REDUCE": reduce}
+        if base and kernel.check_params(problem, params) is None:
+            out.append(params)
+    return out
+
+
+def measure(kernel: str, problem: MoEProblem, params: dict[str, Any], weights: Any,
+            inputs: list, ref: torch.Tensor) -> dict[str, Any]:
+    record: dict[str, Any] = {"kernel": kernel, "params": params}
+    try:
+        fn = default_registry.get(kernel).prepare(problem, params, weights)
+        err = relative_error(fn(*inputs[0]), ref)
+        record["error"] = err
+        if err > tolerance(problem):
+            record["skipped"] = f"relative error {err:.3g} > {tolerance(problem)}"
+            return record
+        t = time_op(fn, inputs, "cuda", warmup=3, reps=10, graph_calls=GRAPH_CALLS)
+        record.update(us=t.median_us, spread=t.spread_us)
+    except Exception as e:  # noqa: BLE001 - one config failing is a result
+        record["skipped"] = f"{type(e).__name__}: {str(e)[:200]}"
+    return record
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--presets", default=",".join(PRESETS))
+    parser.add_argument("--tokens", default="256,1024,4096")
+    parser.add_argument("--budget-s", type=float, default=300)
+    parser.add_argument("--commit", default="unknown")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    deadline = time.monotonic() + args.budget_s
+    sku = detect_sku("cuda")
+    table = Dispatcher.load(shipped_table(sku), sku)
+    log = open(args.json, "w") if args.json else None
+    env = environment()
+    print(f"# moetune_grouped on {sku.label()} ({datetime.date.today()}, commit {args.commit})\n")
+    print(f"torch {env.get('torch')}, triton {env.get('triton')}; `{' '.join(sys.argv)}`\n")
+    print("| preset | M | vLLM's pick us | table winner | its us | grouped atomic | "
+          "atomic_out | sum | best grouped vs vLLM | vs table | roofline (best) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for name in args.presets.split(","):
+        shape = preset(name).shape
+        weights = make_weights(shape.problem(1), "cuda", seed=0)
+        reference = default_registry.get("reference")
+        for m in (int(t) for t in args.tokens.split(",")):
+            problem = shape.problem(m)
+            if time.monotonic() > deadline:
+                print(f"| {name} | {m} | skipped: budget spent | | | | | | | | |")
+                continue
+            inputs = [make_batch(problem, "cuda", seed=1000 * m + i).args()
+                      for i in range(GRAPH_CALLS)]
+            ref = reference.prepare(problem, {}, weights)(*inputs[0])
+            rule = rule_choice(problem, sku)
+            chosen = table.select(problem)
+            rows = {"vllm": measure(rule.kernel, problem, rule.params, weights, inputs, ref)}
+            winner = chosen.params if chosen.source == "table" else None
+            if winner is not None:
+                rows["table"] = measure(chosen.kernel, problem, winner, weights, inputs, ref)
+            for params in grouped_params(problem, winner):
+                rows[params["REDUCE"]] = measure(KERNEL, problem, params, weights, inputs, ref)
+            if log:
+                log.write(json.dumps({"preset": name, "tokens": m, "rows": rows}) + "\n")
+                log.flush()
+            print(_row(name, m, problem, chosen.kernel if winner else "-", rows))
+            sys.stdout.flush()
+            del inputs, ref
+            torch.cuda.empty_cache()
+        del weights
+        torch.cuda.empty_cache()
+    return 0
+
+
+def _row(name: str, m: int, problem: MoEProblem, winner: str, rows: dict[str, Any]) -> str:
+    def us(key: str) -> str:
+        r = rows.get(key)
+        if r is None:
+            return "-"
+        return f"{r['us']:.1f}" if "us" in r else f"({r['skipped'][:40]})"
+
+    grouped = [rows[k]["us"] for k in ("atomic", "atomic_out", "sum") if "us" in rows.get(k, {})]
+    best = min(grouped) if grouped else None
+    vllm, table = rows["vllm"].get("us"), rows.get("table", {}).get("us")
+    vs_vllm = f"{vllm / best:.3f}x" if best and vllm else "-"
+    vs_table = f"{table / best:.3f}x" if best and table else "-"
+    floor = roofline.floors_us(problem, CEILINGS).roofline_us
+    frac = f"{floor / best:.2f}" if best and floor else "-"
+    return (f"| {name} | {m} | {us('vllm')} | {winner} | {us('table')} | {us('atomic')} | "
+            f"{us('atomic_out')} | {us('sum')} | {vs_vllm} | {vs_table} | {frac} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
