@@ -11,9 +11,9 @@ float32 reference first:
 
 * ``vllm``: the CUDA rule's pick (vLLM's tuned config for the shape and GPU, else its default);
 * ``table``: the shipped table's row for the bucket (``runtime/tables/<SKU>.db``);
-* ``grouped <REDUCE>``: moetune_grouped with the table winner's GEMM1 and GEMM2 tiles where it
-  has a config per GEMM (else vLLM's config for both), for each reduce: the same tiles with and
-  without the fusion, so the difference is the reduce alone.
+* ``grouped <REDUCE>``: moetune_grouped doing the table winner's work per program where it has
+  a config per GEMM (``MoetuneGroupedKernel.from_configs``; else vLLM's config for both), for
+  each reduce: the same tiles with and without the fusion, so the difference is the reduce.
 
 After ``--budget-s`` seconds the remaining rows are skipped (said so in the report).
 """
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from moetune.runtime.dispatcher import Dispatcher, shipped_table
-from moetune.runtime.kernels.triton_config import SPACE
+from moetune.runtime.kernels.triton_config import SPACE, config_of
 from moetune.runtime.platform import detect_sku, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import default_registry
@@ -48,16 +48,16 @@ CEILINGS = roofline.Ceilings(hbm_bytes_per_s=4.28e12, bf16_flops=774e12, fp8_flo
 
 
 def grouped_params(problem: MoEProblem, winner: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """moetune_grouped at the winner's tiles (or its seed's), once per valid reduce."""
+    """moetune_grouped doing the winner's work per program (``from_configs``; vLLM's config
+    where the winner has no config per GEMM), once per valid reduce."""
     kernel = default_registry.get(KERNEL)
-    base = kernel.seed_params(problem, detect_sku("cuda")) or {}
     if winner and all(f"g{g}_{name}" in winner for g in (1, 2) for name in SPACE):
-        base = {k: v for k, v in winner.items() if k[:3] in ("g1_", "g2_")}
-        for g in ("g1_", "g2_"):  # tl.dot needs 16 rows
-            base[g + "BLOCK_SIZE_M"] = max(16, base[g + "BLOCK_SIZE_M"])
+        base = kernel.from_configs(problem, config_of(winner, "g1_"), config_of(winner, "g2_"))
+    else:
+        base = kernel.seed_params(problem, detect_sku("cuda"))
     out = []
     for reduce in ("atomic", "atomic_out", "sum"):
-        params = {**base, "REDUCE": reduce}
+        params = {**(base or {}), "REDUCE": reduce}
         if base and kernel.check_params(problem, params) is None:
             out.append(params)
     return out

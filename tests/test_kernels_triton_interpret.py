@@ -434,3 +434,21 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         assert why and word in why, (change, why)
     assert kernel.check_params(qwen3, {**kernel.seed_params(qwen3, H100),
                                        **with_prefix(big, "g2_")}) is None
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_grouped_takes_over_a_vllm_config_at_the_same_work_per_program():
+    kernel = default_registry.get("moetune_grouped")
+    qwen3 = MoEProblem(2048, 2048, 768, 128, 8)
+    vllm = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
+            "num_warps": 8, "num_stages": 4}
+    params = kernel.from_configs(qwen3, vllm, {**vllm, "BLOCK_SIZE_M": 8})
+    # GEMM1's 256 columns of gate and up become 128 of each; 4 stages of them would need
+    # 4 x (128x64 + 2 x 64x128) x 2 B = 192 KiB: they fit, as do GEMM2's.
+    assert params["g1_BLOCK_SIZE_N"] == 128 and params["g2_BLOCK_SIZE_N"] == 256
+    assert params["g2_BLOCK_SIZE_M"] == 16 and params["REDUCE"] == "atomic_out"
+    assert kernel.check_params(qwen3, params) is None
+    ungated = dataclasses.replace(qwen3, activation="gelu", gated=False, dtype="float32")
+    params = kernel.from_configs(ungated, vllm, vllm)
+    assert params["g1_BLOCK_SIZE_N"] == 256 and params["REDUCE"] == "atomic"
+    assert params["g1_num_stages"] < 4 and kernel.check_params(ungated, params) is None

@@ -93,12 +93,35 @@ class MoetuneGroupedKernel(BaseKernel):
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
-        """vLLM's config for both GEMMs (at least 16 rows per tile) with the fused reduce, so
-        the family starts where serving is; None where that config does not fit here."""
-        config = dict(vllm_config(problem, sku)[0])
-        config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
-        seed = with_prefix(config, "g1_") | with_prefix(config, "g2_") | {"REDUCE": "atomic"}
-        return seed if cls.check_params(problem, seed) is None else None
+        """vLLM's config for both GEMMs (``from_configs``), so the family starts where serving
+        is; None where even that cannot fit here."""
+        config = vllm_config(problem, sku)[0]
+        return cls.from_configs(problem, config, config)
+
+    @classmethod
+    def from_configs(cls, problem: MoEProblem, gemm1: dict[str, int],
+                     gemm2: dict[str, int]) -> dict[str, Any] | None:
+        """This kernel's parameters doing the work per program of two vLLM-style GEMM configs:
+        GEMM1's BLOCK_SIZE_N is halved for gated layers (vLLM's tile spans gate and up columns,
+        this kernel's spans that many of each), tiles get at least 16 rows, and stages drop
+        until both GEMMs fit in shared memory. The reduce is the fused one that rounds least
+        often where the dtype allows (``atomic_out``: one launch less than ``atomic``). None if
+        no stage count fits."""
+        g1 = dict(gemm1)
+        if problem.gated:
+            g1["BLOCK_SIZE_N"] = max(_choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
+        reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
+        params: dict[str, Any] = {"REDUCE": reduce}
+        for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
+            config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
+            params |= with_prefix(config, prefix)
+        while cls.check_params(problem, params) is not None:
+            stages = [k for k in ("g1_num_stages", "g2_num_stages") if params[k] > 2]
+            if not stages:
+                return None
+            for key in stages:
+                params[key] -= 1
+        return params
 
     # --- execution ---------------------------------------------------------------------------
     @classmethod
@@ -106,3 +129,7 @@ class MoetuneGroupedKernel(BaseKernel):
         from moetune.runtime.kernels._grouped import launcher
 
         return launcher(problem, params, weights)
+
+
+def _choices(name: str) -> tuple[Any, ...]:
+    return next(p.choices for p in MoetuneGroupedKernel.params if p.name == name)
