@@ -36,6 +36,10 @@ from tests.vllm_tables import write_winners  # noqa: E402
 
 H, I, E, TOPK = 128, 64, 4, 2
 SPECS = {spec.name: spec for spec in classes.ALL_SPECS}
+#: The classes that also serve unquantized layers: ``TritonOrDeepGemmExperts`` is block-fp8 only
+#: (its ``DeepGemmExperts`` asserts such a config), so ``tests/test_vllm_fallback_experts.py``
+#: checks it on fp8 instances instead.
+UNQUANTIZED = [name for name, spec in SPECS.items() if not spec.deep_gemm]
 #: The classes vLLM's fp8 oracle (``oracle/fp8.py``) may pick among those the plugin wraps.
 FP8 = ("TritonExperts", "AiterExperts", "CPUExpertsFp8", "CPUExpertsFp8W8A8")
 
@@ -66,7 +70,10 @@ def test_every_platform_lists_only_wrapped_classes():
 def test_class_defines_the_methods_the_hook_wraps(name):
     spec = SPECS[name]
     cls = spec.load()
-    classes.check_method(cls, "apply", APPLY_PARAMS, hook._MARK)
+    picks = spec.serves is not None  # a FallbackExperts: its apply is its base class's
+    classes.check_method(cls, "apply", APPLY_PARAMS, hook._MARK, inherited=picks)
+    if picks:
+        classes.check_fallback(cls, SPECS["TritonExperts"].load())
     if spec.copy_at_load:
         classes.check_method(cls, "process_weights_after_loading", LOAD_PARAMS, hook._MARK)
     else:  # its weights are what vLLM's oracle made them: the class itself repacks nothing
@@ -74,7 +81,7 @@ def test_class_defines_the_methods_the_hook_wraps(name):
         assert found is modular_kernel.FusedMoEExperts.__dict__["process_weights_after_loading"]
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", UNQUANTIZED)
 def test_apply_binds_through_the_call_object(name):
     """The wrapper takes what vLLM passes, binds it to the fields by name, and hands vLLM's own
     ``apply`` exactly its arguments back (by position, in its order)."""
@@ -110,7 +117,7 @@ def test_process_weights_after_loading_binds(name):
         experts, torch.nn.Module())
 
 
-@pytest.mark.parametrize("name", SPECS)
+@pytest.mark.parametrize("name", UNQUANTIZED)
 def test_describe_reads_what_real_instances_have(name):
     cls = SPECS[name].load()
     w13, w2 = weights()
@@ -337,3 +344,48 @@ def test_fp8_triton_layers_that_never_run_moetune_keep_vllms_quantization(
                       MoEActivation.SILU, E, None, torch.ones(1, H // 128), None, None, None,
                       None, False)
     assert not experts.expects_unquantized_inputs and len(seen) == 2
+
+
+def test_a_quantized_call_to_a_deferring_layer_runs_vllms_apply_not_the_winner(
+        triton_experts, tmp_path, cpu_sku, monkeypatch):
+    """After the switch, a call that arrives quantized anyway (a prepare step that did not read
+    the property) never reaches the winner, which was not tuned on fp8 activations: vLLM's own
+    ``apply`` runs it as vLLM would have without the switch (the property off for that call),
+    counted as a fallback, and the winner keeps serving the calls that follow."""
+    cls, seen = triton_experts
+    recorder = cls.__dict__["apply"]
+    deferring = []
+
+    def spy(self, args):
+        deferring.append(self.expects_unquantized_inputs)
+        return recorder(self, *args)
+
+    monkeypatch.setattr(cls, "apply", wrap(recorder, spy))
+    table = write_winners(tmp_path / "t.db", FP8_SHAPE, (1, 8), "torch_grouped", sku=cpu_sku)
+    state = PluginState(Settings(table=table))
+    hook.install(state, (SPECS["TritonExperts"],))
+    config, q = fp8_block_layer()
+    experts = cls(moe_config(torch.bfloat16, I_FP8), config)
+    torch.manual_seed(2)
+    x = torch.randn(8, H, dtype=torch.bfloat16)
+    topk_weights = torch.rand(8, TOPK)
+    topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(8)]).to(torch.int32)
+
+    def call(a1: torch.Tensor, a1q_scale: torch.Tensor | None) -> torch.Tensor:
+        out = torch.full((8, H), 7.0, dtype=torch.bfloat16)
+        experts.apply(out, a1, q.w13, q.w2, topk_weights, topk_ids, MoEActivation.SILU, E, None,
+                      a1q_scale, None, None, None, None, False)
+        return out
+
+    fp8, scale = x.to(torch.float8_e4m3fn), torch.ones(8, H // 128)
+    call(fp8, scale)  # the first call, quantized by vLLM before the layer attached
+    assert experts.expects_unquantized_inputs and deferring == [False]
+    for a1q_scale in (scale, None):  # fp8 with its scales, then fp8 dtype alone
+        assert not call(fp8, a1q_scale).any()  # vLLM's kernel (the recorder), not the winner
+    assert deferring == [False] * 3 and experts.expects_unquantized_inputs
+    assert [dtype for dtype, _ in seen] == [torch.float8_e4m3fn] * 3
+    want = default_registry.get("reference").prepare(FP8_SHAPE.problem(8), {}, q)(
+        x, topk_weights, topk_ids)
+    out = call(x, None)  # unquantized, as the prepare step now hands them over: the winner
+    assert (out.float() - want).norm() < 1e-2 * want.norm() and len(seen) == 3
+    assert next(iter(state.counts.values())) == {"hit": 1, "miss": 0, "fallback": 3}

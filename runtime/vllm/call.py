@@ -4,9 +4,11 @@ The signature of ``FusedMoEExpertsModular.apply`` is written here and nowhere el
 fields of ``ApplyCall``. The hook checks the real classes against ``APPLY_PARAMS`` before
 patching; ``wrap`` makes the replacement ``apply``, which binds each call once into the tuple
 of its arguments in field order (``args``); everything after it hands that tuple on whole, to
-vLLM's own ``apply`` too. The per-call path reads only ``args[HIDDEN_STATES]``; paths that read
-more name the arguments with ``ApplyCall(*args)`` (making a NamedTuple per call would cost
-about as much as the rest of the hook).
+vLLM's own ``apply`` too. The per-call path reads only ``args[HIDDEN_STATES]`` (and, in layers
+that take their activations unquantized, ``args[A1Q_SCALE]``; in ``FallbackExperts`` layers
+``args[W1]`` and ``args[W2]`` for vLLM's pick); paths that read more name the arguments with
+``ApplyCall(*args)`` (making a NamedTuple per call would cost about as much as the rest of the
+hook).
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ class ApplyCall(NamedTuple):
 
 APPLY_PARAMS = ("self", *ApplyCall._fields)
 HIDDEN_STATES = ApplyCall._fields.index("hidden_states")
+W1, W2 = ApplyCall._fields.index("w1"), ApplyCall._fields.index("w2")
+A1Q_SCALE = ApplyCall._fields.index("a1q_scale")
 #: ``process_weights_after_loading``'s parameters.
 LOAD_PARAMS = ("self", "layer")
 

@@ -9,11 +9,19 @@ and finalize steps, which stay vLLM's. Dispatch is two-level, as DESIGN.md says:
   (E, N, K) weights, so they are used as they are; vLLM's CPU experts prepack theirs in
   ``process_weights_after_loading``, so a plain copy is kept before that, but only for layers
   whose plan runs a moetune kernel somewhere (none where vLLM's own kernel wins every bucket).
-* fp8 layers of a class that quantizes activations itself when asked (``TritonExperts``:
-  ``ExpertsSpec.defers_input_quant``) and that run a moetune kernel somewhere are asked to,
-  from their second call on (vLLM's prepare step quantized the first one before the layer was
-  attached; vLLM's kernel runs it): moetune's kernels then get unquantized activations, as they
-  were tuned, and vLLM's own ``apply`` quantizes them as its prepare step would have.
+* fp8 layers of a class whose activations the prepare step can be made to leave unquantized
+  (``ExpertsSpec.defers_input_quant``: ``TritonExperts``, ``TritonOrDeepGemmExperts``) and that
+  run a moetune kernel somewhere are switched to that when they attach: moetune's kernels then
+  get unquantized activations, as they were tuned, and vLLM's own kernels get them quantized
+  exactly as its prepare step would have (``TritonExperts.apply`` quantizes them itself; for
+  ``TritonOrDeepGemmExperts`` the hook does, with vLLM's function, ``quant.quantize_input``).
+  The layer's first call, quantized before it attached, and any call that arrives quantized
+  anyway, runs vLLM's own ``apply`` as vLLM would have run it (``Layer.quantized``).
+* ``TritonOrDeepGemmExperts`` (``ExpertsSpec.serves``): vLLM's own pick
+  (``_select_experts_impl``, called as its ``apply`` calls it) decides per call; the plan serves
+  the calls it gives the Triton fallback, the others run on DeepGEMM, counted as delegated. The
+  inner ``TritonExperts`` is marked owned by the outer layer: it attaches no layer of its own
+  and counts nothing.
 * per call, ``Layer.run``: one memoized dict lookup by num_tokens -> the prepared winner, or
   vLLM's own ``apply``. While a CUDA graph is captured, winners that are not ``graph_safe``
   give way to vLLM's kernel. Where Dynamo traces the experts (vLLM on the CPU), layers that run
@@ -33,11 +41,14 @@ import torch
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.problem import QuantScheme
 from moetune.runtime.vllm import op, prepack
-from moetune.runtime.vllm.call import APPLY_PARAMS, LOAD_PARAMS, ApplyCall, op_args, wrap
-from moetune.runtime.vllm.classes import DEFER_PROPERTY, ExpertsSpec, check_method, check_property
+from moetune.runtime.vllm.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS, W1, W2,
+                                       ApplyCall, op_args, wrap)
+from moetune.runtime.vllm.classes import (DEFER_PROPERTY, TRITON, ExpertsSpec, Held,
+                                          check_fallback, check_method, check_property, own)
 from moetune.runtime.vllm.describe import describe, layer_weights
 from moetune.runtime.vllm.layer import Layer
-from moetune.runtime.vllm.settings import Mode, Outcome
+from moetune.runtime.vllm.quant import quantize_input
+from moetune.runtime.vllm.settings import Mode
 from moetune.runtime.vllm.state import PluginState, shape_label
 
 logger = logging.getLogger("moetune")
@@ -46,6 +57,7 @@ _MARK = "__moetune_original__"
 _PROBE = "__moetune_capturing__"
 _ATTR = "_moetune_layer"
 _DEFER = "_moetune_defers_input_quant"  # True: the layer's activations reach apply unquantized
+_OWNED = "_moetune_owned"  # True: the Triton fallback of a hooked TritonOrDeepGemmExperts layer
 
 
 def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
@@ -58,25 +70,28 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
     found = []
     for spec in specs:
         cls = spec.load()
-        check_method(cls, "apply", APPLY_PARAMS, _MARK)
+        picks = spec.serves is not None  # FallbackExperts: apply and the property are inherited
+        check_method(cls, "apply", APPLY_PARAMS, _MARK, inherited=picks)
+        if picks:
+            check_fallback(cls, TRITON.load())
         if spec.copy_at_load:
             check_method(cls, "process_weights_after_loading", LOAD_PARAMS, _MARK)
         if spec.copy_at_pack:
             prepack.check()
         if spec.defers_input_quant:
-            check_property(cls, DEFER_PROPERTY)
+            check_property(cls, DEFER_PROPERTY, inherited=picks)
         found.append((cls, spec))
     capturing = _capture_probe()
     op.ensure_registered()
     if any(spec.copy_at_pack for _, spec in found):
         prepack.install(_plain_fp8_wanted(state))
-    for cls, spec in found:
-        if not getattr(cls.__dict__["apply"], _MARK, None):
+    for cls, spec in found:  # a FallbackExperts class gets wrappers of its own, not its bases
+        if not getattr(cls.__dict__.get("apply"), _MARK, None):
             cls.apply = _wrap_apply(cls, spec, state, capturing)
         load = cls.__dict__.get("process_weights_after_loading")
         if spec.copy_at_load and not getattr(load, _MARK, None):
             cls.process_weights_after_loading = _wrap_load(cls, spec, state)
-        defer = cls.__dict__.get(DEFER_PROPERTY)
+        defer = own(cls, DEFER_PROPERTY, inherited=True)
         if spec.defers_input_quant and not getattr(defer.fget, _MARK, None):
             setattr(cls, DEFER_PROPERTY, _wrap_defer(defer))
     return [cls.__name__ for cls, _ in found]
@@ -95,8 +110,9 @@ def _plain_fp8_wanted(state: PluginState) -> prepack.Wanted:
 
 
 def original(cls: type, method: str = "apply") -> Callable[..., Any]:
-    """vLLM's own ``method`` of a hooked class (the method itself if not hooked)."""
-    fn = cls.__dict__[method]
+    """vLLM's own ``method`` of a hooked class (the method itself if not hooked; a base's if the
+    class inherits it)."""
+    fn = own(cls, method, inherited=True)
     return getattr(fn, _MARK, fn)
 
 
@@ -137,8 +153,13 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     plain = prepack.take_plain(w13) if spec.copy_at_pack else None
     if plain is not None:
         w13, w2 = plain  # what vLLM packed: describe, and run on, the plain fp8 weights
+    held, not_ours = spec.holds()
+    served = None if spec.serves is None else getattr(experts, spec.serves, None)
+    if spec.serves is not None and served is None:
+        not_ours = f"vLLM internals differ (no {spec.serves})"
     try:
-        shape, why = describe(experts, w13, w2, on_input, spec.defers_input_quant)
+        shape, why = (None, not_ours) if not_ours else describe(
+            experts, w13, w2, on_input, spec.defers_input_quant)
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
         shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
     # A class whose weights no moetune kernel can read still gets its plan's hits and misses.
@@ -154,40 +175,99 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
         if copied:
             state.plain_copy_bytes += sum(t.numel() * t.element_size() for t in (w13, w2))
     label = shape_label(shape) if shape is not None else f"not handled: {why}"
-    apply = cls.__dict__["apply"]
-    layer = Layer(label, plan, state.counter(label), weights, experts,
-                  getattr(apply, _MARK, apply), getattr(apply, _PROBE, _never), state.record_miss)
+    apply = original(cls)
+    layer = Layer(label, plan, state.counter(label, delegates=served is not None), weights,
+                  experts, apply, getattr(own(cls, "apply", inherited=True), _PROBE, _never),
+                  state.record_miss)
     # Traced, a layer that never runs a moetune kernel is vLLM's own apply, uncounted (record
     # mode keeps the op: it must see every num_tokens to record the missed ones).
     layer.traced_op = bool(layer.fns) or state.settings.mode is Mode.RECORD
     layer.activation = experts.moe_config.activation if shape is not None else None
     layer.op_id = op.bind(layer)
-    if (spec.defers_input_quant and weights is not None and experts.quant_config.quant_dtype
-            is not None and not experts.expects_unquantized_inputs):
-        experts.__dict__[_DEFER] = False  # from the next call on (``_wrap_apply``)
+    defers = (spec.defers_input_quant and weights is not None and experts.quant_config.quant_dtype
+              is not None and not experts.expects_unquantized_inputs)
+    if defers:  # vLLM's prepare step leaves the activations alone from the next call on
+        experts.__dict__[_DEFER] = True
+        layer.quantized = _undeferred(experts, apply)
+    if served is not None:
+        _serve_fallback(layer, experts, served, defers)
     experts.__dict__[_ATTR] = layer
     state.layers += 1
     state.hook_exit()
-    _announce(state, spec, label, layer, copied, _DEFER in experts.__dict__)
+    _announce(state, spec, held, label, layer, copied, defers)
     return layer
 
 
-def _announce(state: PluginState, spec: ExpertsSpec, label: str, layer: Layer,
+def _undeferred(experts: Any, apply: Callable[..., Any]) -> Callable[[tuple[Any, ...]], Any]:
+    """vLLM's own ``apply`` for a call that arrived quantized although the layer asked for its
+    activations unquantized, run as vLLM would have run it without the switch (switched off
+    for that call: vLLM's forward runs one MoE call of a layer at a time)."""
+    def run(args: tuple[Any, ...]) -> Any:
+        experts.__dict__[_DEFER] = False
+        try:
+            return apply(experts, *args)
+        finally:
+            experts.__dict__[_DEFER] = True
+
+    return run
+
+
+def _serve_fallback(layer: Layer, experts: Any, served: Any, defers: bool) -> None:
+    """Make ``layer`` of a ``TritonOrDeepGemmExperts`` serve only the calls vLLM's own pick
+    gives its Triton fallback (``served``), as ``FallbackExperts.apply`` would run them.
+
+    vLLM's kernels get exactly what its prepare step would have given them. Where the layer
+    ``defers`` (its own ``expects_unquantized_inputs`` switched, which is what the prepare step
+    reads: the inner object's is never consulted), the hook quantizes for them with vLLM's
+    function, for DeepGEMM's calls and for the plan's buckets that run vLLM's Triton kernel
+    alike: one place, the prepare step's arguments, and the inner ``TritonExperts`` stays as vLLM
+    built it. The plan's moetune kernels get the activations unquantized, as they were tuned.
+    vLLM's pick reads the activations' rows and contiguity, not their dtype, so on unquantized
+    activations it picks as on the quantized ones (but for a non-contiguous tensor, which the
+    quantizer would have made contiguous: it then goes to Triton, the same result).
+    """
+    served.__dict__[_OWNED] = True  # vLLM's own apply, should vLLM's outer apply call it
+    triton = original(type(served))
+    quant_config = experts.quant_config
+
+    def vllm_args(args: tuple[Any, ...]) -> tuple[Any, ...]:
+        if not defers:
+            return args
+        a1q, a1q_scale = quantize_input(quant_config, args[HIDDEN_STATES])
+        return ApplyCall(*args)._replace(hidden_states=a1q, a1q_scale=a1q_scale)
+
+    def triton_kernel(_: Any, *args: Any) -> Any:
+        return triton(served, *vllm_args(args))
+
+    def delegate(args: tuple[Any, ...]) -> bool:
+        picked = experts._select_experts_impl(args[HIDDEN_STATES], args[W1], args[W2])
+        if picked is served:
+            return False
+        picked.apply(*vllm_args(args))
+        return True
+
+    layer.original, layer.delegate = triton_kernel, delegate
+
+
+def _announce(state: PluginState, spec: ExpertsSpec, held: Held, label: str, layer: Layer,
               copied: bool, defers: bool) -> None:
     """The startup line of each distinct (shape, weight layout): what vLLM holds, what moetune
     kernels run on, and what each bucket runs."""
     if layer.weights is not None:
         runs_on = "moetune kernels run on a plain copy" if copied else "moetune kernels use them"
         if defers:
-            runs_on += " with unquantized activations (vLLM's kernel quantizes its own)"
+            runs_on += (" with unquantized activations (vLLM's kernels get them quantized as "
+                        "its prepare step would)")
     elif layer.plan is not None and layer.plan.runs_moetune:
         runs_on = "no moetune kernel can run on them (those buckets fall back)"
     else:
         runs_on = "vLLM's own kernel serves every bucket (no copy kept)"
+    if layer.delegate is not None:
+        runs_on += "; the calls vLLM gives DeepGEMM run there (counted as delegated)"
     plan = layer.plan.summary() if layer.plan is not None else "vLLM's own kernel"
-    state.announce((label, spec.name, spec.held.value, runs_on),
+    state.announce((label, spec.name, held.value, runs_on),
                    "moetune: %s layers %s: vLLM holds %s weights, %s; %s (pid %d)", spec.name,
-                   label, spec.held.value, runs_on, plan, os.getpid())
+                   label, held.value, runs_on, plan, os.getpid())
 
 
 def _wrap_load(cls: type, spec: ExpertsSpec, state: PluginState) -> Callable[..., Any]:
@@ -204,7 +284,7 @@ def _wrap_load(cls: type, spec: ExpertsSpec, state: PluginState) -> Callable[...
 
 def _wrap_apply(cls: type, spec: ExpertsSpec, state: PluginState,
                 capturing: Callable[[], bool]) -> Callable[..., Any]:
-    original = cls.__dict__["apply"]
+    original = own(cls, "apply", inherited=spec.serves is not None)
     compiling = torch.compiler.is_compiling
 
     def body(self: Any, args: tuple[Any, ...]) -> Any:
@@ -217,14 +297,11 @@ def _wrap_apply(cls: type, spec: ExpertsSpec, state: PluginState,
             return None
         layer = self.__dict__.get(_ATTR)
         if layer is None:
+            if self.__dict__.get(_OWNED):  # run for its TritonOrDeepGemmExperts, which counts
+                return original(self, *args)
             call = ApplyCall(*args)
             layer = _attach(self, cls, spec, state, call.w1, call.w2,
                             call.apply_router_weight_on_input, False)
-            if self.__dict__.get(_DEFER) is False:  # quantized by vLLM before the switch
-                layer.counts[Outcome.FALLBACK.value] += 1
-                result = original(self, *args)
-                self.__dict__[_DEFER] = True
-                return result
         return layer.run(args)
 
     apply = wrap(original, body)

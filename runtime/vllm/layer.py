@@ -5,7 +5,13 @@ from the shared ``ShapePlan``) says whether a prepared moetune kernel runs or vL
 ``apply``; hits, misses and fallbacks are counted per layer shape. The kernels the plan names
 are prepared when the layer attaches, so a call does no I/O, evaluates no rule and prepares
 nothing. Nothing here knows vLLM's classes: the hook hands in the experts object and its
-original ``apply``; a call's arguments travel as one tuple (``call.py``).
+original ``apply`` (and, where vLLM picks between two kernels per call, ``delegate``); a call's
+arguments travel as one tuple (``call.py``).
+
+A layer that asked vLLM for unquantized activations (``quantized`` set) never hands a moetune
+kernel a call that arrives quantized anyway: such a call runs vLLM's own ``apply`` as vLLM
+would have run it, counted as a fallback (the layer's first call, quantized before the layer
+asked, is one).
 """
 
 from __future__ import annotations
@@ -17,7 +23,7 @@ from typing import Any, NamedTuple
 import torch
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
-from moetune.runtime.vllm.call import HIDDEN_STATES, ApplyCall, from_op
+from moetune.runtime.vllm.call import A1Q_SCALE, HIDDEN_STATES, ApplyCall, from_op
 from moetune.runtime.vllm.plan import Choice, ShapePlan
 from moetune.runtime.vllm.settings import Outcome
 
@@ -36,6 +42,9 @@ class Step(NamedTuple):
 
 
 _MISS, _FALLBACK, _HIT = Outcome.MISS.value, Outcome.FALLBACK.value, Outcome.HIT.value
+_DELEGATED = Outcome.DELEGATED.value
+#: The activation dtypes moetune's kernels are tuned on; anything else arrived quantized.
+_UNQUANTIZED = frozenset({torch.float32, torch.float16, torch.bfloat16})
 
 
 class Layer:
@@ -47,6 +56,12 @@ class Layer:
         counts: the live counter dict of the layer's shape (``PluginState.counter``).
         weights: weights a moetune kernel can run, or None (every moetune choice falls back).
         misses: called with the problem of each num_tokens the table has no row for.
+
+    Set by the hook after construction: ``quantized``, vLLM's own ``apply`` (of the call's
+    arguments) for a call whose activations arrive quantized although the layer made vLLM's
+    prepare step leave them unquantized (None: it did not); ``delegate``, in a layer whose
+    vLLM class picks one of two kernels per call: runs the call on vLLM's pick and returns True
+    when that is not the kernel the plan serves, else returns False and runs nothing.
     """
 
     def __init__(self, label: str, plan: ShapePlan | None, counts: dict[str, int],
@@ -60,6 +75,8 @@ class Layer:
         self.traced_op = False  # traced calls go through ``op`` (else vLLM's own apply)
         self.op_id: int | None = None  # its id in ``op`` (the traced path)
         self.activation: Any = None  # vLLM's activation enum, passed on for traced calls
+        self.quantized: Callable[[tuple[Any, ...]], Any] | None = None
+        self.delegate: Callable[[tuple[Any, ...]], bool] | None = None
         if plan is not None and weights is not None:
             self._prepare(plan, weights)
 
@@ -93,8 +110,17 @@ class Layer:
 
     def run(self, args: tuple[Any, ...]) -> Any:
         """One experts call (``args``: ``ApplyCall``'s fields): the table's winner into
-        ``output``, or vLLM's own ``apply``."""
-        num_tokens = args[HIDDEN_STATES].shape[0]
+        ``output``, or vLLM's own ``apply`` (which, like the winner, writes ``output`` and
+        returns nothing)."""
+        hidden_states = args[HIDDEN_STATES]
+        if self.quantized is not None and (args[A1Q_SCALE] is not None
+                                           or hidden_states.dtype not in _UNQUANTIZED):
+            self.counts[_FALLBACK] += 1  # no moetune kernel was tuned on these
+            return self.quantized(args)
+        if self.delegate is not None and self.delegate(args):
+            self.counts[_DELEGATED] += 1
+            return None
+        num_tokens = hidden_states.shape[0]
         step = self.steps.get(num_tokens) or self.step(num_tokens)
         if step.fn is None:
             self.counts[step.counter] += 1
@@ -109,10 +135,13 @@ class Layer:
         must run instead (it then overwrites whatever a failed winner wrote there).
 
         A kernel that is not ``graph_safe`` never runs while a CUDA graph is being captured
-        (its host sync would break the capture): vLLM's kernel is captured instead.
+        (its host sync would break the capture): vLLM's kernel is captured instead. Nor does one
+        run on activations vLLM quantized: none was tuned on them.
         """
         if call.expert_map is not None or not (step.graph_safe or not self.capturing()):
             return False
+        if call.a1q_scale is not None or call.hidden_states.dtype not in _UNQUANTIZED:
+            return False  # quantized by vLLM (``run`` catches this first where it asked not to)
         # vLLM's prepare step already scaled the input when the weight is on the input.
         weights = call.topk_weights
         if call.apply_router_weight_on_input:

@@ -26,6 +26,10 @@ class Outcome(str, enum.Enum):
     HIT = "hit"  # the table's winner ran (vLLM's own kernel, when that is the winner)
     MISS = "miss"  # no table row for this shape (or no usable table): vLLM's own kernel ran
     FALLBACK = "fallback"  # the table had a winner that cannot run here: vLLM's kernel ran
+    #: vLLM's own per-call pick (``TritonOrDeepGemmExperts``) ran its other kernel, DeepGEMM,
+    #: which the table does not time: no table gap to record (not a miss) and no winner that
+    #: failed to run (not a fallback). Counted only in the layers that pick.
+    DELEGATED = "delegated"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -168,10 +168,15 @@ class PluginState:
         return plan
 
     # --- counting and recording --------------------------------------------------------------
-    def counter(self, shape: Shape | str) -> dict[str, int]:
-        """The live counter dict of a shape (a label for layers moetune cannot describe)."""
+    def counter(self, shape: Shape | str, delegates: bool = False) -> dict[str, int]:
+        """The live counter dict of a shape (a label for layers moetune cannot describe);
+        ``delegates``: it counts ``Outcome.DELEGATED`` calls too."""
         label = shape if isinstance(shape, str) else shape_label(shape)
-        return self.counts.setdefault(label, {o.value: 0 for o in Outcome})
+        counts = self.counts.setdefault(
+            label, {o.value: 0 for o in Outcome if o is not Outcome.DELEGATED})
+        if delegates:
+            counts.setdefault(Outcome.DELEGATED.value, 0)
+        return counts
 
     def record_miss(self, problem: MoEProblem) -> None:
         """Remember ``problem``'s bucket for the misses file (``record`` mode only; no I/O)."""
@@ -208,8 +213,10 @@ class PluginState:
         self._reported = True
         self.misses.flush()
         for label, c in self.counts.items():
-            logger.info("moetune: %s: %d hits, %d misses, %d fallbacks", label,
-                        c["hit"], c["miss"], c["fallback"])
+            delegated = c.get(Outcome.DELEGATED.value)
+            logger.info("moetune: %s: %d hits, %d misses, %d fallbacks%s", label,
+                        c["hit"], c["miss"], c["fallback"],
+                        "" if delegated is None else f", {delegated} run by DeepGEMM")
         if self.settings.stats:
             path = Path(self.settings.stats.replace("{pid}", str(os.getpid())))
             try:
