@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetune.runtime.kernels._interpreter import interpreter_reason
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
+from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
+from moetune.runtime.kernels._own_triton import OwnTritonKernel
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
@@ -30,7 +30,7 @@ MAX_ACC_PER_THREAD = 64
 REDUCES = ("atomic", "atomic_out", "ordered")
 
 
-class MoetuneDecodeKernel(BaseKernel):
+class MoetuneDecodeKernel(OwnTritonKernel):
     """GEMV-like fused MoE for decode: ``g1_*`` tiles GEMM1 (+activation), ``g2_*`` GEMM2
     (+weighted reduce, optionally split over I)."""
 
@@ -47,35 +47,9 @@ class MoetuneDecodeKernel(BaseKernel):
         Param("SPLIT_K", (1, 2, 4)),
         Param("REDUCE", REDUCES),
     )
-    graph_safe = True  # expert ids are read on the device; launches are sized by shapes only
-    compiles = True
-    min_sm = 80
-    amd_archs = ("gfx942", "gfx950")
-    requires = ("triton",)
-    quants = frozenset(QuantScheme)  # fp8 where the device has e4m3fn, below
+    kernels_module = "moetune.runtime.kernels._decode"
 
     # --- eligibility -------------------------------------------------------------------------
-    @classmethod
-    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        reason = super()._supports_device(problem, sku)
-        if reason:
-            return reason
-        from moetune.runtime.kernels._decode import INTERPRET
-
-        return interpreter_reason(problem, sku, INTERPRET)
-
-    @classmethod
-    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.quant.is_fp8:
-            if sku.vendor is Vendor.CPU:
-                return "fp8 weights do not run in Triton's CPU interpreter (numpy has no fp8)"
-            if sku.vendor is Vendor.NVIDIA and sku.sm < 89:
-                return f"fp8 e4m3 weights need sm_89 or newer, device is {sku.arch}"
-            if sku.vendor is Vendor.AMD and sku.arch != "gfx950":
-                return (f"moetune's fp8 weights are e4m3fn (OCP); {sku.arch} computes e4m3fnuz "
-                        "(gfx950 has e4m3fn)")
-        return super()._supports_quant(problem, sku)
-
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
         pairs = problem.num_tokens * problem.topk
@@ -96,7 +70,7 @@ class MoetuneDecodeKernel(BaseKernel):
                 return (f"{gemm}: {per_thread} float32 accumulators per thread "
                         f"(at most {MAX_ACC_PER_THREAD}: more spill)")
             for what, block, size in (("BLOCK_N", block_n, n), ("BLOCK_K", block_k, k)):
-                if block > max(_pow2(size), _choices(f"{gemm}_{what}")[0]):
+                if block > max(_pow2(size), cls.choices(f"{gemm}_{what}")[0]):
                     return (f"{gemm}_{what}={block} exceeds {size} (a smaller tile computes "
                             "the same)")
             if problem.quant is QuantScheme.FP8_BLOCK_128X128 and 128 % block_n:
@@ -134,9 +108,10 @@ class MoetuneDecodeKernel(BaseKernel):
             block_k = next(b for b in reversed(ks) if parts * block_n * b <= limit or b == ks[0])
             return block_n, block_k
 
-        n1, k1 = tile(i, h, _choices("g1_BLOCK_N"), _choices("g1_BLOCK_K"), halves,
+        n1, k1 = tile(i, h, cls.choices("g1_BLOCK_N"), cls.choices("g1_BLOCK_K"), halves,
                       16 if gpu else 64)
-        n2, k2 = tile(h, i, _choices("g2_BLOCK_N"), _choices("g2_BLOCK_K"), 1, 64 if gpu else 128)
+        n2, k2 = tile(h, i, cls.choices("g2_BLOCK_N"), cls.choices("g2_BLOCK_K"), 1,
+                      64 if gpu else 128)
         seed = {"g1_BLOCK_N": n1, "g1_BLOCK_K": k1, "g1_num_warps": 4, "g1_num_stages": 2,
                 "g2_BLOCK_N": n2, "g2_BLOCK_K": k2, "g2_num_warps": 4, "g2_num_stages": 2,
                 "SPLIT_K": 1, "REDUCE": "atomic"}
@@ -148,10 +123,6 @@ class MoetuneDecodeKernel(BaseKernel):
         from moetune.runtime.kernels._decode import launcher
 
         return launcher(problem, params, weights)
-
-
-def _choices(name: str) -> tuple[int, ...]:
-    return next(p.choices for p in MoetuneDecodeKernel.params if p.name == name)
 
 
 def _pow2(n: int) -> int:

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from moetune.runtime.kernels._interpreter import interpreter_reason
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
+from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
+from moetune.runtime.kernels._own_triton import OwnTritonKernel
 from moetune.runtime.kernels.triton_config import (
     QUANT_BLOCK, config_of, config_params, operand_bytes, shared_memory_bytes,
     shared_memory_limit, with_prefix)
-from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.platform import SKU
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 from moetune.runtime.vllm.configs import vllm_config
 
@@ -30,40 +30,13 @@ REDUCES = ("atomic", "atomic_out", "sum")
 MIN_BLOCK_M = 16
 
 
-class MoetuneGroupedKernel(BaseKernel):
+class MoetuneGroupedKernel(OwnTritonKernel):
     """Grouped-GEMM fused MoE for prefill: ``g1_*`` configures GEMM1 (+activation), ``g2_*``
     GEMM2 (+weighted reduce), each in vLLM's config space."""
 
     name = "moetune_grouped"
     params = config_params("g1_") + config_params("g2_") + (Param("REDUCE", REDUCES),)
-    graph_safe = True  # routing by ``_align`` (no host sync), launches sized by shapes only
-    compiles = True
-    min_sm = 80
-    amd_archs = ("gfx942", "gfx950")
-    requires = ("triton",)
-    quants = frozenset(QuantScheme)  # fp8 where the device has e4m3fn, below
-
-    # --- eligibility -------------------------------------------------------------------------
-    @classmethod
-    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        reason = super()._supports_device(problem, sku)
-        if reason:
-            return reason
-        from moetune.runtime.kernels._grouped import INTERPRET
-
-        return interpreter_reason(problem, sku, INTERPRET)
-
-    @classmethod
-    def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if problem.quant.is_fp8:
-            if sku.vendor is Vendor.CPU:
-                return "fp8 does not run in Triton's CPU interpreter (numpy has no fp8)"
-            if sku.vendor is Vendor.NVIDIA and sku.sm < 89:
-                return f"fp8 tensor cores need sm_89 or newer, device is {sku.arch}"
-            if sku.vendor is Vendor.AMD and sku.arch != "gfx950":
-                return (f"moetune's fp8 is e4m3fn (OCP); {sku.arch} computes e4m3fnuz "
-                        "(gfx950 has e4m3fn)")
-        return super()._supports_quant(problem, sku)
+    kernels_module = "moetune.runtime.kernels._grouped"
 
     # --- parameters --------------------------------------------------------------------------
     @classmethod
@@ -109,7 +82,7 @@ class MoetuneGroupedKernel(BaseKernel):
         no stage count fits."""
         g1 = dict(gemm1)
         if problem.gated:
-            g1["BLOCK_SIZE_N"] = max(_choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
+            g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
         params: dict[str, Any] = {"REDUCE": reduce}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
@@ -129,7 +102,3 @@ class MoetuneGroupedKernel(BaseKernel):
         from moetune.runtime.kernels._grouped import launcher
 
         return launcher(problem, params, weights)
-
-
-def _choices(name: str) -> tuple[Any, ...]:
-    return next(p.choices for p in MoetuneGroupedKernel.params if p.name == name)
