@@ -181,15 +181,21 @@ def _case_id(case):
         "+".join(f"{k}={v}" for k, v in case.items()) or "base")
 
 
-@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
-def test_decode_checks_pass_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MOETUNE_DECODE_CHECKS": "1"}
+def _checks_pass_in_a_fresh_process(flag: str, selection: str, expected: int) -> None:
+    """Run this file's checks matching ``selection`` interpreted, in a process that sets
+    ``flag``; all ``expected`` of them must pass (none skipped by a mistyped selection)."""
+    env = {**os.environ, "TRITON_INTERPRET": "1", flag: "1"}
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                          "decode", __file__], check=False, env=env, capture_output=True,
+                          selection, __file__], check=False, env=env, capture_output=True,
                          text=True, timeout=400)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    expected = len(DECODE_CASES) + len(FP8_EMULATED) + 1  # every interpreted decode check ran
     assert f"{expected} passed" in run.stdout.strip().splitlines()[-1], run.stdout[-2000:]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_decode_checks_pass_in_a_fresh_process():
+    _checks_pass_in_a_fresh_process("MOETUNE_DECODE_CHECKS", "decode",
+                                    len(DECODE_CASES) + len(FP8_EMULATED) + 1)
 
 
 @decode_interpreted
@@ -355,13 +361,7 @@ GROUPED_CASES = [
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_grouped_checks_pass_in_a_fresh_process():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "MOETUNE_GROUPED_CHECKS": "1"}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-k",
-                          "grouped", __file__], check=False, env=env, capture_output=True,
-                         text=True, timeout=400)
-    assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-2000:]
-    expected = len(GROUPED_CASES)  # every interpreted grouped check ran
-    assert f"{expected} passed" in run.stdout.strip().splitlines()[-1], run.stdout[-2000:]
+    _checks_pass_in_a_fresh_process("MOETUNE_GROUPED_CHECKS", "grouped", len(GROUPED_CASES))
 
 
 @grouped_interpreted
