@@ -55,12 +55,10 @@ def grouped_params(problem: MoEProblem, winner: dict[str, Any] | None) -> list[d
         base = kernel.from_configs(problem, config_of(winner, "g1_"), config_of(winner, "g2_"))
     else:
         base = kernel.seed_params(problem, detect_sku("cuda"))
-    out = []
-    for reduce in ("atomic", "atomic_out", "sum"):
-        params = {**(base or {}), "REDUCE": reduce}
-        if base and kernel.check_params(problem, params) is None:
-            out.append(params)
-    return out
+    if base is None:
+        return []
+    variants = ({**base, "REDUCE": reduce} for reduce in ("atomic", "atomic_out", "sum"))
+    return [params for params in variants if kernel.check_params(problem, params) is None]
 
 
 def measure(kernel: str, problem: MoEProblem, params: dict[str, Any], weights: Any,

@@ -137,7 +137,8 @@ def test_kernel_output_is_capturable_in_a_cuda_graph(gpu_sku):
 
 @cuda
 @needs_gpu
-@pytest.mark.parametrize("problem", [p for p in _problems() if p.topk > 1 and p.dtype.value != "float32"],
+@pytest.mark.parametrize("problem",
+                         [p for p in _problems() if p.topk > 1 and p.dtype.value != "float32"],
                          ids=lambda p: p.describe().replace(" ", "-"))
 @pytest.mark.parametrize("reduce", ["atomic_out", "sum"])
 def test_grouped_reduces_match_reference(reduce, problem, gpu_sku):
