@@ -12,7 +12,7 @@ float32 reference first:
 * ``vllm``: the CUDA rule's pick (vLLM's tuned config for the shape and GPU, else its default);
 * ``table``: the shipped table's row for the bucket (``runtime/tables/<SKU>.db``);
 * ``grouped <REDUCE>``: moetune_grouped doing the table winner's work per program where it has
-  a config per GEMM (``MoetuneGroupedKernel.from_configs``; else vLLM's config for both), for
+  a config per GEMM (``MoetuneGroupedKernel.from_gemm_configs``; else vLLM's config for both), for
   each reduce: the same tiles with and without the fusion, so the difference is the reduce.
 
 After ``--budget-s`` seconds the remaining rows are skipped (said so in the report).
@@ -48,11 +48,11 @@ CEILINGS = roofline.Ceilings(hbm_bytes_per_s=4.28e12, bf16_flops=774e12, fp8_flo
 
 
 def grouped_params(problem: MoEProblem, winner: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """moetune_grouped doing the winner's work per program (``from_configs``; vLLM's config
+    """moetune_grouped doing the winner's work per program (``from_gemm_configs``; vLLM's config
     where the winner has no config per GEMM), once per valid reduce."""
     kernel = default_registry.get(KERNEL)
     if winner and all(f"g{g}_{name}" in winner for g in (1, 2) for name in SPACE):
-        base = kernel.from_configs(problem, config_of(winner, "g1_"), config_of(winner, "g2_"))
+        base = kernel.from_gemm_configs(problem, config_of(winner, "g1_"), config_of(winner, "g2_"))
     else:
         base = kernel.seed_params(problem, detect_sku("cuda"))
     if base is None:

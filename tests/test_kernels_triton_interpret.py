@@ -442,13 +442,19 @@ def test_grouped_takes_over_a_vllm_config_at_the_same_work_per_program():
     qwen3 = MoEProblem(2048, 2048, 768, 128, 8)
     vllm = {"BLOCK_SIZE_M": 128, "BLOCK_SIZE_N": 256, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
             "num_warps": 8, "num_stages": 4}
-    params = kernel.from_configs(qwen3, vllm, {**vllm, "BLOCK_SIZE_M": 8})
+    params = kernel.from_gemm_configs(qwen3, vllm, {**vllm, "BLOCK_SIZE_M": 8})
     # GEMM1's 256 columns of gate and up become 128 of each; 4 stages of them would need
     # 4 x (128x64 + 2 x 64x128) x 2 B = 192 KiB: they fit, as do GEMM2's.
     assert params["g1_BLOCK_SIZE_N"] == 128 and params["g2_BLOCK_SIZE_N"] == 256
     assert params["g2_BLOCK_SIZE_M"] == 16 and params["REDUCE"] == "atomic_out"
     assert kernel.check_params(qwen3, params) is None
+    # And back: aiter's split family at the same tiles, which the search measures next.
+    gemm1, gemm2 = kernel.gemm_configs(qwen3, params)
+    assert gemm1 == vllm and gemm2 == {**vllm, "BLOCK_SIZE_M": 16}
+    split = default_registry.get("aiter_triton_silu_fused")
+    assert split.gemm_configs(qwen3, split.from_gemm_configs(qwen3, gemm1, gemm2)) == (gemm1, gemm2)
+    assert default_registry.get("aiter_triton").from_gemm_configs(qwen3, gemm1, gemm2) is None
     ungated = dataclasses.replace(qwen3, activation="gelu", gated=False, dtype="float32")
-    params = kernel.from_configs(ungated, vllm, vllm)
+    params = kernel.from_gemm_configs(ungated, vllm, vllm)
     assert params["g1_BLOCK_SIZE_N"] == 256 and params["REDUCE"] == "atomic"
     assert params["g1_num_stages"] < 4 and kernel.check_params(ungated, params) is None

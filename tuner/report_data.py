@@ -77,6 +77,16 @@ class BucketView:
     def rule_roofline(self) -> float | None:
         return _fraction(self.floors, self.row.baseline_us)
 
+    def family_bests(self) -> dict[str, float | None]:
+        """Each kernel family tried here: its best stored ok time (search timings, not the
+        confirmation's), or None where none of its trials passed."""
+        best: dict[str, float | None] = {}
+        for t in self.trials:
+            us = t["median_us"] if t["status"] == "ok" else None
+            mine = best.get(t["kernel"])
+            best[t["kernel"]] = us if mine is None else mine if us is None else min(mine, us)
+        return best
+
     def search_curve(self) -> list[float | None]:
         """The best ok time known to the search: ``[0]`` the rule's variants (every search
         starts from them, wherever they were stored), then after each other timed trial in

@@ -235,13 +235,13 @@ def _families(shape: ShapeView) -> Figure:
     norm = Normalize(1.0, 2.0)
     cmap = _cmap()
     for col, b in enumerate(shape.buckets):
-        ok = [t for t in b.trials if t["status"] == "ok" and t["median_us"]]
-        best = min((t["median_us"] for t in ok), default=None)
+        bests = b.family_bests()
+        best = min(filter(None, bests.values()), default=None)
         for row, family in enumerate(families):
-            mine = [t["median_us"] for t in ok if t["kernel"] == family]
-            tried = any(t["kernel"] == family for t in b.trials)
+            mine = bests.get(family)
+            tried = family in bests
             if mine and best:
-                ratio = min(mine) / best
+                ratio = mine / best
                 ax.add_patch(Rectangle((col, row), 1, 1, color=cmap(norm(min(ratio, 2.0)))))
                 ax.text(col + 0.5, row + 0.5, f"{ratio:.2f}", ha="center", va="center",
                         fontsize=6, color="white" if ratio < 1.35 else "#222")

@@ -1,11 +1,16 @@
 """One bucket's search: an Optuna study over (kernel, that kernel's parameters), asked in
 batches the compile pool builds ahead of timing, measured one candidate after another, then a
-local search from the best: one-step moves of one parameter at a time, while they gain.
+local search from the best: one-step moves of one parameter at a time, while they gain; then
+from the best's work per program in the other families that share vLLM's config space, and
+from every family close to the best.
 
 The local search is what finds the best configs: replayed against exhaustively timed grids on
 an H200 (``scripts/audit_search.py``, bench/results/audit-h200-2026-12-01), the sampler alone
 stayed 9% slower than the best at 2048 tokens and 1% at 64, with 16, 24 or 48 trials alike;
-the local search came within 0.3% in every replay, using at most 32 evaluations."""
+the local search came within 0.3% in every replay, using at most 32 evaluations. Families are
+climbed one by one because their optima differ: at Qwen3-30B-A3B's 4096 tokens moetune_grouped,
+measured only at its seed, was 2-11% behind aiter's climbed best, and within 1% of it at that
+best's tiles (bench/results/grouped-h200-2026-12-02)."""
 
 from __future__ import annotations
 
@@ -25,9 +30,13 @@ from moetune.tuner.procs.compile_pool import CompilePool
 _MAX_ASKS_PER_TRIAL = 20
 # A candidate this many times slower than the best so far is timed only roughly.
 CUTOFF_FACTOR = 1.5
-#: Default budgets, from that audit: the sampler's trials, and what the local search may add.
+#: Default budgets: the sampler's trials, and what the local search may add (the audit's 32
+#: for the winner's family, whose climb stops before that as a rule, and 16 for the others).
 TRIALS = 24
-REFINE = 32
+REFINE = 48
+#: After the winner's family, the local search climbs every other family whose best is within
+#: this factor of the best, fastest first, while budget is left.
+PEER_MARGIN = 1.10
 
 
 def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidates: list[type[BaseKernel]],
@@ -53,7 +62,10 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
 
     The local search measures every one-step move of the best configuration (``neighbours``)
     as one batch, moves to the best of them if it is faster, and stops at a configuration no
-    move improves or when ``refine`` evaluations are spent.
+    move improves. It then measures the best's work per program in the other families
+    (``translations``), and climbs the same way from the best of each family within
+    ``PEER_MARGIN`` of the overall best, fastest first. All of it stops when ``refine``
+    evaluations are spent.
 
     Args:
         known: results measured earlier (a resumed job); they are told to Optuna, not re-timed.
@@ -137,20 +149,62 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
         if key not in results:
             results[key] = known.get(key) or measurer.measure(variant.kernel, variant.params)
     budget = measured + refine
-    centre = fastest()
-    while centre is not None and measured < budget:
+
+    def family_fastest(name: str) -> Result | None:
+        return min((r for r in results.values() if r.status is Status.OK and r.kernel == name),
+                   key=lambda r: r.median_us, default=None)
+
+    def climb(centre: Result) -> None:
+        """Move to the best one-step move within ``centre``'s family while that gains."""
         kernel = by_name[centre.kernel]
+        while measured < budget:
+            new: dict[Key, tuple[str, dict[str, Any]]] = {}
+            for params in neighbours(kernel, centre.params):
+                key = (kernel.name, params_key(params))
+                if key not in results and key not in new and len(new) < budget - measured:
+                    take(kernel, params, key, new)
+            measure(new)
+            moved = family_fastest(kernel.name)
+            if moved is None or moved is centre:
+                return
+            centre = moved
+
+    climbed: set[str] = set()
+    best = fastest()
+    if best is not None:
+        climb(best)
+        climbed.add(best.kernel)
         new = {}
-        for params in neighbours(kernel, centre.params):
+        for kernel, params in translations(problem, by_name, fastest()):
             key = (kernel.name, params_key(params))
             if key not in results and key not in new and len(new) < budget - measured:
                 take(kernel, params, key, new)
         measure(new)
-        moved = fastest()
-        if moved is centre:
+    while measured < budget:
+        best = fastest()
+        peers = sorted((r for r in map(family_fastest, names) if r and r.kernel not in climbed
+                        and r.median_us <= best.median_us * PEER_MARGIN),
+                       key=lambda r: r.median_us)
+        if not peers:
             break
-        centre = moved
+        climb(peers[0])
+        climbed.add(peers[0].kernel)
     return results
+
+
+def translations(problem: MoEProblem, kernels: dict[str, type[BaseKernel]],
+                 best: Result) -> list[tuple[type[BaseKernel], dict[str, Any]]]:
+    """The other families' parameters doing ``best``'s work per program, where both sides
+    speak vLLM's config space (``gemm_configs``, ``from_gemm_configs``)."""
+    configs = kernels[best.kernel].gemm_configs(problem, best.params)
+    if configs is None:
+        return []
+    out = []
+    for kernel in kernels.values():
+        params = None if kernel.name == best.kernel else kernel.from_gemm_configs(problem, *configs)
+        if params is not None:
+            out.append((kernel, params))
+    return out
 
 
 def neighbours(kernel: type[BaseKernel], params: dict[str, Any]) -> list[dict[str, Any]]:

@@ -124,12 +124,21 @@ class AiterTritonKernel(BaseKernel):
 
     # --- parameters --------------------------------------------------------------------------
     @classmethod
-    def configs(cls, params: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+    def gemm_configs(cls, problem: MoEProblem,
+                     params: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
         """The Triton configs of GEMM1 and GEMM2."""
         if cls.split:
             return config_of(params, "g1_"), config_of(params, "g2_")
         config = config_of(params)
         return config, config
+
+    @classmethod
+    def from_gemm_configs(cls, problem: MoEProblem, gemm1: dict[str, int],
+                          gemm2: dict[str, int]) -> dict[str, Any] | None:
+        """The two configs as they are; one config for both GEMMs only where they are equal."""
+        if cls.split:
+            return with_prefix(gemm1, "g1_") | with_prefix(gemm2, "g2_")
+        return dict(gemm1) if gemm1 == gemm2 else None
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
@@ -139,7 +148,7 @@ class AiterTritonKernel(BaseKernel):
 
     @classmethod
     def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
-        for gemm, config in zip(("GEMM1", "GEMM2"), cls.configs(params)):
+        for gemm, config in zip(("GEMM1", "GEMM2"), cls.gemm_configs(problem, params)):
             reason = check_config(problem, config)
             if reason:
                 return f"{gemm}: {reason}"
@@ -150,7 +159,7 @@ class AiterTritonKernel(BaseKernel):
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
         from moetune.runtime.kernels._align import align
 
-        config1, config2 = cls.configs(params)
+        config1, config2 = cls.gemm_configs(problem, params)
         first = _first_stage(cls.gemm1, problem, weights, config1, cls.persistent)
         moe_op = aiter_loader.load("moe_op").module
         gemm2 = bind_gemm(moe_op.fused_moe, problem, weights.w2, weights.w2_scale, config2,

@@ -52,6 +52,16 @@ class AiterTritonE2EKernel(AiterTritonKernel):
         return None  # its space is not vLLM's: no serving default to start from
 
     @classmethod
+    def gemm_configs(cls, problem: MoEProblem, params: dict[str, Any]) -> None:
+        """None: one tile config spans both GEMMs, in a space that is not vLLM's."""
+        return None
+
+    @classmethod
+    def from_gemm_configs(cls, problem: MoEProblem, gemm1: dict[str, int],
+                          gemm2: dict[str, int]) -> None:
+        return None
+
+    @classmethod
     def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
         c = config_of(params, space=SPACE)
         elem = operand_bytes(problem)

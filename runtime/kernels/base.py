@@ -215,6 +215,22 @@ class BaseKernel(abc.ABC):
         return None
 
     @classmethod
+    def gemm_configs(cls, problem: MoEProblem,
+                     params: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]] | None:
+        """The work per program of GEMM1 and GEMM2 as vLLM-style Triton configs (GEMM1's
+        ``BLOCK_SIZE_N`` spanning gate and up columns), for kernels built on that space; None
+        (the default) for the others. With ``from_gemm_configs`` it lets the search start one
+        family where another's best config is."""
+        return None
+
+    @classmethod
+    def from_gemm_configs(cls, problem: MoEProblem, gemm1: dict[str, int],
+                          gemm2: dict[str, int]) -> dict[str, Any] | None:
+        """This kernel's parameters doing the work per program of ``gemm_configs``' two
+        configs; None (the default) where it has no such parameters or they cannot run."""
+        return None
+
+    @classmethod
     def validate(cls, params: dict[str, Any]) -> dict[str, Any]:
         """Check stored parameters against the declared space before any use.
 

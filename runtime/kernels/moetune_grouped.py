@@ -66,14 +66,24 @@ class MoetuneGroupedKernel(OwnTritonKernel):
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:
-        """vLLM's config for both GEMMs (``from_configs``), so the family starts where serving
-        is; None where even that cannot fit here."""
+        """vLLM's config for both GEMMs (``from_gemm_configs``), so the family starts where
+        serving is; None where even that cannot fit here."""
         config = vllm_config(problem, sku)[0]
-        return cls.from_configs(problem, config, config)
+        return cls.from_gemm_configs(problem, config, config)
 
     @classmethod
-    def from_configs(cls, problem: MoEProblem, gemm1: dict[str, int],
-                     gemm2: dict[str, int]) -> dict[str, Any] | None:
+    def gemm_configs(cls, problem: MoEProblem,
+                     params: dict[str, Any]) -> tuple[dict[str, int], dict[str, int]]:
+        """The inverse of ``from_gemm_configs``: in vLLM's terms GEMM1's tile of a gated layer
+        spans gate and up columns, twice this kernel's ``BLOCK_SIZE_N`` (which counts each)."""
+        g1 = config_of(params, "g1_")
+        if problem.gated:
+            g1["BLOCK_SIZE_N"] *= 2
+        return g1, config_of(params, "g2_")
+
+    @classmethod
+    def from_gemm_configs(cls, problem: MoEProblem, gemm1: dict[str, int],
+                          gemm2: dict[str, int]) -> dict[str, Any] | None:
         """This kernel's parameters doing the work per program of two vLLM-style GEMM configs:
         GEMM1's BLOCK_SIZE_N is halved for gated layers (vLLM's tile spans gate and up columns,
         this kernel's spans that many of each), tiles get at least 16 rows, and stages drop
