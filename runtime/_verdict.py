@@ -46,6 +46,8 @@ class RowVerdict:
     other_sku: bool = False
     #: Not served only because today's rule was not among its baselines (re-tune it).
     stale: bool = False
+    #: Served, but by the rule's pick: the winner did not beat today's rule.
+    rule_kept: bool = False
 
 
 def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_registry) -> RowVerdict:
@@ -85,7 +87,8 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
     kept = Selection(rule.kernel, rule.params, "table",
                      f"table: the rule's pick is as fast as any candidate at M="
                      f"{problem.num_tokens}", problem.num_tokens, measured.get("median_us"), 1.0)
-    return RowVerdict(kept, "today's rule was not beaten: the rule's pick runs", problem)
+    return RowVerdict(kept, "today's rule was not beaten: the rule's pick runs", problem,
+                      rule_kept=True)
 
 
 def row_problem(row: WinnerRecord, registry: Registry = default_registry) -> str | None:

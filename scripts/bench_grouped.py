@@ -12,8 +12,9 @@ float32 reference first:
 * ``vllm``: the CUDA rule's pick (vLLM's tuned config for the shape and GPU, else its default);
 * ``table``: the shipped table's row for the bucket (``runtime/tables/<SKU>.db``);
 * ``grouped <REDUCE>``: moetune_grouped doing the table winner's work per program where it has
-  a config per GEMM (``MoetuneGroupedKernel.from_gemm_configs``; else vLLM's config for both), for
-  each reduce: the same tiles with and without the fusion, so the difference is the reduce.
+  a config per GEMM (``gemm_configs`` into ``MoetuneGroupedKernel.from_gemm_configs``; else
+  vLLM's config for both), for each reduce: the same tiles with and without the fusion, so the
+  difference is the reduce; and at 2, 4 and 8 tiles of H per GEMM2 program (``g2_N_TILES``).
 
 After ``--budget-s`` seconds the remaining rows are skipped (said so in the report).
 """
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from moetune.runtime.dispatcher import Dispatcher, shipped_table
-from moetune.runtime.kernels.triton_config import SPACE, config_of
+from moetune.runtime.kernels.moetune_grouped import N_TILES, REDUCES
 from moetune.runtime.platform import detect_sku, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import default_registry
@@ -47,18 +48,21 @@ GRAPH_CALLS = 10
 CEILINGS = roofline.Ceilings(hbm_bytes_per_s=4.28e12, bf16_flops=774e12, fp8_flops=1410e12)
 
 
-def grouped_params(problem: MoEProblem, winner: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """moetune_grouped doing the winner's work per program (``from_gemm_configs``; vLLM's config
-    where the winner has no config per GEMM), once per valid reduce."""
+def grouped_params(problem: MoEProblem, winner: str | None,
+                   params: dict[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """moetune_grouped doing the winner's work per program (``gemm_configs`` into
+    ``from_gemm_configs``; vLLM's config where the winner has no such configs): once per valid
+    reduce, and with the seed's reduce at each ``g2_N_TILES`` > 1 (``n2``, ``n4``, ...), keyed
+    by those names."""
     kernel = default_registry.get(KERNEL)
-    if winner and all(f"g{g}_{name}" in winner for g in (1, 2) for name in SPACE):
-        base = kernel.from_gemm_configs(problem, config_of(winner, "g1_"), config_of(winner, "g2_"))
-    else:
-        base = kernel.seed_params(problem, detect_sku("cuda"))
+    configs = default_registry.get(winner).gemm_configs(problem, params) if winner else None
+    base = (kernel.from_gemm_configs(problem, *configs) if configs
+            else kernel.seed_params(problem, detect_sku("cuda")))
     if base is None:
-        return []
-    variants = ({**base, "REDUCE": reduce} for reduce in ("atomic", "atomic_out", "sum"))
-    return [params for params in variants if kernel.check_params(problem, params) is None]
+        return {}
+    variants = {reduce: {**base, "REDUCE": reduce} for reduce in REDUCES}
+    variants |= {f"n{n}": {**base, "g2_N_TILES": n} for n in N_TILES[1:]}
+    return {k: p for k, p in variants.items() if kernel.check_params(problem, p) is None}
 
 
 def measure(kernel: str, problem: MoEProblem, params: dict[str, Any], weights: Any,
@@ -94,8 +98,9 @@ def main() -> int:
     print(f"# moetune_grouped on {sku.label()} ({datetime.date.today()}, commit {args.commit})\n")
     print(f"torch {env.get('torch')}, triton {env.get('triton')}; `{' '.join(sys.argv)}`\n")
     print("| preset | M | vLLM's pick us | table winner | its us | grouped atomic | "
-          "atomic_out | sum | best grouped vs vLLM | vs table | roofline (best) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "atomic_out | sum | N_TILES 2 | 4 | 8 | best grouped vs vLLM | vs table | "
+          "roofline (best) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.presets.split(","):
         shape = preset(name).shape
         weights = make_weights(shape.problem(1), "cuda", seed=0)
@@ -103,7 +108,7 @@ def main() -> int:
         for m in (int(t) for t in args.tokens.split(",")):
             problem = shape.problem(m)
             if time.monotonic() > deadline:
-                print(f"| {name} | {m} | skipped: budget spent | | | | | | | | |")
+                print(f"| {name} | {m} | skipped: budget spent | | | | | | | | | | | |")
                 continue
             inputs = [make_batch(problem, "cuda", seed=1000 * m + i).args()
                       for i in range(GRAPH_CALLS)]
@@ -114,8 +119,8 @@ def main() -> int:
             winner = chosen.params if chosen.source == "table" else None
             if winner is not None:
                 rows["table"] = measure(chosen.kernel, problem, winner, weights, inputs, ref)
-            for params in grouped_params(problem, winner):
-                rows[params["REDUCE"]] = measure(KERNEL, problem, params, weights, inputs, ref)
+            for key, params in grouped_params(problem, winner and chosen.kernel, winner).items():
+                rows[key] = measure(KERNEL, problem, params, weights, inputs, ref)
             if log:
                 log.write(json.dumps({"preset": name, "tokens": m, "rows": rows}) + "\n")
                 log.flush()
@@ -135,7 +140,8 @@ def _row(name: str, m: int, problem: MoEProblem, winner: str, rows: dict[str, An
             return "-"
         return f"{r['us']:.1f}" if "us" in r else f"({r['skipped'][:40]})"
 
-    grouped = [rows[k]["us"] for k in ("atomic", "atomic_out", "sum") if "us" in rows.get(k, {})]
+    variants = (*REDUCES, *(f"n{n}" for n in N_TILES[1:]))
+    grouped = [rows[k]["us"] for k in variants if "us" in rows.get(k, {})]
     best = min(grouped) if grouped else None
     vllm, table = rows["vllm"].get("us"), rows.get("table", {}).get("us")
     vs_vllm = f"{vllm / best:.3f}x" if best and vllm else "-"
@@ -143,7 +149,8 @@ def _row(name: str, m: int, problem: MoEProblem, winner: str, rows: dict[str, An
     floor = roofline.floors_us(problem, CEILINGS).roofline_us
     frac = f"{floor / best:.2f}" if best and floor else "-"
     return (f"| {name} | {m} | {us('vllm')} | {winner} | {us('table')} | {us('atomic')} | "
-            f"{us('atomic_out')} | {us('sum')} | {vs_vllm} | {vs_table} | {frac} |")
+            f"{us('atomic_out')} | {us('sum')} | {us('n2')} | {us('n4')} | {us('n8')} | "
+            f"{vs_vllm} | {vs_table} | {frac} |")
 
 
 if __name__ == "__main__":

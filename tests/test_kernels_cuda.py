@@ -158,6 +158,26 @@ def test_grouped_reduces_match_reference(reduce, problem, gpu_sku):
     assert relative_error(out, ref) <= tol
 
 
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("problem", _problems(), ids=lambda p: p.describe().replace(" ", "-"))
+def test_grouped_gemm2_programs_of_two_h_tiles_match_reference(problem, gpu_sku):
+    """``g2_N_TILES=2``: GEMM2's loop runs over (tile, K step), every scheme's epilogue once per
+    tile; H = 200 leaves the second tile of each program part empty."""
+    kernel = default_registry.get("moetune_grouped")
+    ok, why = kernel.supports(problem, gpu_sku)
+    if not ok:
+        pytest.skip(why)
+    params = kernel.validate({**_params("moetune_grouped", problem), "g2_N_TILES": 2})
+    assert kernel.check_params(problem, params) is None
+    weights = make_weights(problem, "cuda", seed=1)
+    batch = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF)
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    out = kernel.prepare(problem, params, weights)(*batch.args())
+    tol = FP8_TOLERANCE if problem.quant.is_fp8 else TOLERANCE[problem.dtype.value]
+    assert relative_error(out, ref) <= tol
+
+
 # (BLOCK_SIZE_M, BLOCK_SIZE_N, BLOCK_SIZE_K, num_stages) on both sides of 227 KiB in bfloat16.
 BOUNDARY = [(128, 256, 64, 4), (128, 256, 64, 5), (256, 128, 64, 4), (256, 128, 64, 5),
             (128, 128, 128, 3), (128, 128, 128, 4), (64, 256, 128, 2), (64, 256, 128, 3),

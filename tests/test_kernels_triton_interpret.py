@@ -18,6 +18,7 @@ import sys
 import pytest
 import torch
 
+from moetune.errors import InvalidParamsError
 from moetune.runtime.kernels.triton_config import with_prefix
 from moetune.runtime.vllm.configs import vllm_default_config
 from moetune.runtime.platform import SKU, Vendor
@@ -347,6 +348,8 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # Every reduce, top-1 (a direct store), the router weight on the input, ungated GELU, a GEMM2
 # tile of other rows (routing aligned twice), a GROUP_SIZE_M that reorders tiles, and tails:
 # H=72 and I=40 are multiples of no tile; 7 tokens x 3 slots leave padded rows in every block.
+# GEMM2 programs of several H tiles: H=72 in 3 tiles, 2 per program (the last half empty),
+# I=32 in one K step (every step ends a tile), and top-1's store.
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -356,6 +359,10 @@ GROUPED_CASES = [
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True), {}),
     (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu", gated=False),
      {"REDUCE": "sum"}),
+    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"), {"g2_N_TILES": 2, "REDUCE": "atomic_out"}),
+    (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"g2_N_TILES": 2, "REDUCE": "sum"}),
+    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
+     {"g2_N_TILES": 2}),
 ]
 
 
@@ -410,6 +417,16 @@ def test_grouped_seeds_fit_every_preset_bucket():
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_grouped_rows_stored_before_n_tiles_existed_run_one_tile_per_program():
+    kernel = default_registry.get("moetune_grouped")
+    older = {k: v for k, v in kernel.seed_params(MoEProblem(2048, 2048, 768, 128, 8), H100).items()
+             if k != "g2_N_TILES"}
+    assert kernel.validate(older) == {**older, "g2_N_TILES": 1}
+    with pytest.raises(InvalidParamsError, match="g2_N_TILES=3"):
+        kernel.validate({**older, "g2_N_TILES": 3})
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
     kernel = default_registry.get("moetune_grouped")
     qwen3 = MoEProblem(2048, 2048, 768, 128, 8)
@@ -426,12 +443,15 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (llama4, {"REDUCE": "sum"}, "directly"),  # top-1: nothing to reduce
         (dataclasses.replace(qwen3, dtype="float32"), {**with_prefix(_TILE, "g1_"),
                                                        "REDUCE": "atomic_out"}, "float32"),
+        (qwen3, {"g2_BLOCK_SIZE_N": 256, "g2_N_TILES": 8}, None),  # 2048 = 8 x 256: all full
+        (dataclasses.replace(qwen3, hidden_size=1536), {"g2_BLOCK_SIZE_N": 256, "g2_N_TILES": 8},
+         "empty"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),
                   **change}
         why = kernel.check_params(problem, params)
-        assert why and word in why, (change, why)
+        assert (why is None) if word is None else (why and word in why), (change, why)
     assert kernel.check_params(qwen3, {**kernel.seed_params(qwen3, H100),
                                        **with_prefix(big, "g2_")}) is None
 

@@ -273,8 +273,7 @@ def _bucket_view(row: db.WinnerRecord, trials: list[dict[str, Any]], ceilings: C
         status = RowStatus.STALE if verdict.stale else RowStatus.INVALID
     elif row.source != "measured":
         status = RowStatus.IMPORTED
-    elif (verdict.selection.kernel, params_key(verdict.selection.params)) != (
-            row.kernel, params_key(row.params)):
+    elif verdict.rule_kept:
         status = RowStatus.RULE_KEPT
     else:
         status = RowStatus.SERVED

@@ -5,11 +5,12 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    the block's expert are read once per K step and multiplied by the same activation tile (two
    accumulators); the epilogue applies the scales, the router weight when it is on the input,
    the activation and the gate product, and writes the activated intermediate (pairs, I).
-2. ``_gemm2_reduce``: one program per (block of sorted pairs, tile of H). The epilogue
-   multiplies the router weight and adds each row into its token's output row (``ATOMIC``: into
-   a float32 buffer or the output itself), stores it (``STORE``: top-1, nothing to reduce), or
-   stores the (pairs, H) rows a torch sum then reduces (``ROWS``: what vLLM does, kept so the
-   search measures the fused reduce against it on every GPU and shape).
+2. ``_gemm2_reduce``: one program per (block of sorted pairs, ``N_TILES`` tiles of H), the
+   tiles in one loop over (tile, K step) so that loads stay in flight across tiles when I is
+   short. The epilogue multiplies the router weight and adds each row into its token's output
+   row (``ATOMIC``: into a float32 buffer or the output itself), stores it (``STORE``: top-1,
+   nothing to reduce), or stores the (pairs, H) rows a torch sum then reduces (``ROWS``: what
+   vLLM does, kept so the search measures the fused reduce against it on every GPU and shape).
 
 fp8 layers run W8A8 on fp8 tensor cores: activations are quantized per token (per 128-column
 group for block-fp8 weights) before each GEMM, and the epilogue applies the activation and
@@ -135,8 +136,8 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, sorted_ptr, expe
                   stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                   TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N, GROUP_M)
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr):
+    pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -144,28 +145,65 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, sorted_ptr, expe
     valid = pair < pairs
     row = pair.to(tl.int64)
     expert = tl.load(experts_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = (w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
-              + offs_k[:, None] * stride_wk)
+    w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(I, BLOCK_K)):
-        mask_k = offs_k < I - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
-        if QUANT == 3:
-            group = (k * BLOCK_K) // 128
-            a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
-            w_scale = tl.load(s_base + (offs_n // 128) * stride_sn + group * stride_sk,
-                              mask=mask_n, other=0.0)
-            acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
-        else:
-            acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
+    if N_TILES == 1:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < H
+        a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        for k in range(0, tl.cdiv(I, BLOCK_K)):
+            mask_k = offs_k < I - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if QUANT == 3:
+                group = (k * BLOCK_K) // 128
+                a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
+                w_scale = tl.load(s_base + (offs_n // 128) * stride_sn + group * stride_sk,
+                                  mask=mask_n, other=0.0)
+                acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            else:
+                acc = tl.dot(a, w, acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
+                        stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT, MUL_WEIGHT, MODE)
+    else:
+        # N_TILES column tiles in one loop over (tile, K step), so the pipeline keeps loading
+        # across tiles: with I = 192-256 a tile has only 2-3 K steps to hide its loads behind.
+        k_steps = tl.cdiv(I, BLOCK_K)
+        for step in range(0, N_TILES * k_steps):
+            k = step % k_steps
+            offs_n = (pid_n * N_TILES + step // k_steps) * BLOCK_N + tl.arange(0, BLOCK_N)
+            mask_n = offs_n < H
+            mask_k = offs_k < I - k * BLOCK_K
+            a = tl.load(a_ptr + row[:, None] * stride_am + (k * BLOCK_K + offs_k)[None, :],
+                        mask=valid[:, None] & mask_k[None, :], other=0.0)
+            w = tl.load(w_base + offs_n[None, :] * stride_wn
+                        + (k * BLOCK_K + offs_k)[:, None] * stride_wk,
+                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            if QUANT == 3:
+                group = (k * BLOCK_K) // 128
+                a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
+                w_scale = tl.load(s_base + (offs_n // 128) * stride_sn + group * stride_sk,
+                                  mask=mask_n, other=0.0)
+                acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            else:
+                acc = tl.dot(a, w, acc)
+            if k == k_steps - 1:
+                _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm,
+                                s_base, stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT,
+                                MUL_WEIGHT, MODE)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
+                    stride_sn, tw_ptr, out_ptr, stride_om, TOPK: tl.constexpr,
+                    QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr, MODE: tl.constexpr):
+    """Scales, the router weight, and the tile's rows into the output (``MODE``)."""
     if QUANT == 1 or QUANT == 2:
         acc *= tl.load(as_ptr + row * stride_asm, mask=valid, other=0.0)[:, None]
     if QUANT == 1:
@@ -201,7 +239,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     group = SCALE_BLOCK if quant == QUANT_BLOCK else None
     act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
     on_input = problem.router_weight_on_input
-    reduce = params["REDUCE"]
+    reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
     if problem.topk == 1:
         mode, buffer = STORE, "out"
     elif reduce == "sum":
@@ -216,8 +254,9 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             return a, a  # the scale pointer is never read
         return quantize_rows(a, group)
 
-    def launch(kernel: Any, config: dict[str, int], rows: int, cols: int) -> Any:
-        block_m, block_n = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"]
+    def launch(kernel: Any, config: dict[str, int], rows: int, cols: int,
+               n_tiles: int = 1) -> Any:
+        block_m, block_n = config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"] * n_tiles
         grid = (triton.cdiv(rows, block_m) * triton.cdiv(cols, block_n),)
         return kernel[grid]
 
@@ -251,13 +290,13 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
         else:
             target = out.zero_() if mode == ATOMIC else out
         rows2 = routing2.sorted_token_ids.numel()
-        launch(_gemm2_reduce, config2, rows2, hidden)(
+        launch(_gemm2_reduce, config2, rows2, hidden, n_tiles)(
             hq, hs, w2, s2, weights_flat, target, routing2.sorted_token_ids, routing2.expert_ids,
             routing2.num_tokens_post_padded, hidden, inter, pairs, rows2, hq.stride(0),
             hs.stride(0), *w2.stride(), *s2_strides, target.stride(0), TOPK=topk, QUANT=quant,
             MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
             BLOCK_N=config2["BLOCK_SIZE_N"], BLOCK_K=config2["BLOCK_SIZE_K"],
-            GROUP_M=config2["GROUP_SIZE_M"], num_warps=config2["num_warps"],
+            GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, num_warps=config2["num_warps"],
             num_stages=config2["num_stages"])
         if buffer == "rows":
             torch.sum(target.view(m, topk, hidden), dim=1, out=out)

@@ -73,11 +73,13 @@ class Trial(Protocol):
 class Param:
     """One tunable parameter: the values the search samples, and values also accepted when
     given (``extra``: a config another tool chose, like vLLM's tuned files, that the search
-    need not explore)."""
+    need not explore). ``default``: for a parameter a kernel gained after tables were written,
+    the value its older rows ran at, which they are served at; None: every row gives it."""
 
     name: str
     choices: tuple[Any, ...]
     extra: tuple[Any, ...] = ()
+    default: Any = None
 
 
 class BaseKernel(abc.ABC):
@@ -232,17 +234,19 @@ class BaseKernel(abc.ABC):
 
     @classmethod
     def validate(cls, params: dict[str, Any]) -> dict[str, Any]:
-        """Check stored parameters against the declared space before any use.
+        """Check stored parameters against the declared space before any use; a parameter
+        with a ``default`` that they lack gets it.
 
         Raises:
             InvalidParamsError: unknown or missing names, or a value outside its choices.
         """
         if not isinstance(params, dict):
             raise InvalidParamsError(f"{cls.name}: params must be an object, got {params!r}")
+        params = {p.name: p.default for p in cls.params if p.default is not None} | params
         why = invalid_params(cls.params, params)
         if why:
             raise InvalidParamsError(f"{cls.name}: {why}")
-        return dict(params)
+        return params
 
     @classmethod
     def searchable(cls, params: dict[str, Any]) -> bool:

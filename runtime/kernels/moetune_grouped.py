@@ -28,6 +28,9 @@ from moetune.runtime.vllm.configs import vllm_config
 REDUCES = ("atomic", "atomic_out", "sum")
 #: ``tl.dot`` needs tiles of at least 16 rows.
 MIN_BLOCK_M = 16
+#: Tiles of H one GEMM2 program computes in one pipelined loop (``_grouped``); 1 was the only
+#: value before this parameter existed.
+N_TILES = (1, 2, 4, 8)
 
 
 class MoetuneGroupedKernel(OwnTritonKernel):
@@ -35,7 +38,8 @@ class MoetuneGroupedKernel(OwnTritonKernel):
     GEMM2 (+weighted reduce), each in vLLM's config space."""
 
     name = "moetune_grouped"
-    params = config_params("g1_") + config_params("g2_") + (Param("REDUCE", REDUCES),)
+    params = config_params("g1_") + config_params("g2_") + (
+        Param("g2_N_TILES", N_TILES, default=1), Param("REDUCE", REDUCES))
     kernels_module = "moetune.runtime.kernels._grouped"
 
     # --- parameters --------------------------------------------------------------------------
@@ -57,6 +61,10 @@ class MoetuneGroupedKernel(OwnTritonKernel):
             if problem.quant is QuantScheme.FP8_BLOCK_128X128 and QUANT_BLOCK[1] % block_k:
                 return (f"{gemm}_BLOCK_SIZE_K={block_k} spans two {QUANT_BLOCK[1]}-wide scale "
                         "blocks")
+        n_tiles, block_n = params["g2_N_TILES"], params["g2_BLOCK_SIZE_N"]
+        if n_tiles > -(-problem.hidden_size // block_n):
+            return (f"g2_N_TILES={n_tiles} tiles of {block_n} columns: H={problem.hidden_size} "
+                    "leaves some empty in every program")
         reduce = params["REDUCE"]
         if problem.topk == 1 and reduce != "atomic":
             return f"top-1 stores its rows directly: REDUCE={reduce} changes nothing"
@@ -87,14 +95,14 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         """This kernel's parameters doing the work per program of two vLLM-style GEMM configs:
         GEMM1's BLOCK_SIZE_N is halved for gated layers (vLLM's tile spans gate and up columns,
         this kernel's spans that many of each), tiles get at least 16 rows, and stages drop
-        until both GEMMs fit in shared memory. The reduce is the fused one that rounds least
-        often where the dtype allows (``atomic_out``: one launch less than ``atomic``). None if
-        no stage count fits."""
+        until both GEMMs fit in shared memory. One tile of H per GEMM2 program, as vLLM's. The
+        reduce is the fused one that rounds least often where the dtype allows (``atomic_out``:
+        one launch less than ``atomic``). None if no stage count fits."""
         g1 = dict(gemm1)
         if problem.gated:
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
-        params: dict[str, Any] = {"REDUCE": reduce}
+        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)
