@@ -125,7 +125,8 @@ def test_kernel_output_is_capturable_in_a_cuda_graph(gpu_sku):
     weights = make_weights(problem, "cuda", seed=1)
     batch = make_batch(problem, "cuda", seed=2)
     for name in ("aiter_triton", "aiter_triton_silu_fused", "moetune_grouped"):
-        fn = default_registry.get(name).prepare(problem, _params(name, problem), weights)
+        kernel = default_registry.get(name)
+        fn = kernel.prepare(problem, kernel.validate(_params(name, problem)), weights)
         eager = fn(*batch.args())
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
