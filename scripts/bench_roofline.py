@@ -70,9 +70,9 @@ def main() -> None:
 def _shape_table(shape) -> tuple[str, int, list[float], list[float]]:
     families = sorted({f for b in shape.buckets for f in b.family_bests()})
     print(f"## {shape.title}\n")
-    print("| tokens | HBM floor | compute floor | rule | " + " | ".join(families)
-          + " | winner | winner us | winner / roofline | rule / roofline | winner vs rule |")
-    print("|" + "---|" * (len(families) + 9))
+    columns = ["tokens", "HBM floor", "compute floor", "rule", *families, "winner", "winner us",
+               "winner / roofline", "rule / roofline", "winner vs rule"]
+    print("| " + " | ".join(columns) + " |\n|" + "---|" * len(columns))
     fractions, speedups = [], []
     for b in shape.buckets:
         bests = b.family_bests()
@@ -85,10 +85,12 @@ def _shape_table(shape) -> tuple[str, int, list[float], list[float]]:
             fractions.append(b.roofline)
         if b.row.speedup:
             speedups.append(b.row.speedup)
-        print(f"| {b.num_tokens} | {hbm} | {compute} | {rule} | " + " | ".join(cells)
-              + f" | {b.row.kernel} | {b.row.median_us:.1f} | {_pct(b.roofline)} | "
-              f"{_pct(b.rule_roofline)} | {_x(b.row.speedup)} |")
-    print("\n(x: tried, no trial passed; -: not tried. Family bests are search timings.)\n")
+        cells = [str(b.num_tokens), hbm, compute, rule, *cells, b.row.kernel,
+                 f"{b.row.median_us:.1f}", _pct(b.roofline), _pct(b.rule_roofline),
+                 _x(b.row.speedup)]
+        print("| " + " | ".join(cells) + " |")
+    note = "" if families else " This table stores no trials for this shape."
+    print(f"\n(x: tried, no trial passed; -: not tried. Family bests are search timings.{note})\n")
     return shape.name, len(shape.buckets), fractions, speedups
 
 
