@@ -145,7 +145,7 @@ def floors_us(problem: MoEProblem, ceilings: Ceilings,
     Args:
         problem: The bucket.
         ceilings: The device's ceilings.
-        experts_hit: Experts the timed batches routed to, on average (``bench_roofline``
+        experts_hit: Experts the timed batches routed to, on average (``bench_decode``
             counts them); None: the expectation under uniform routing.
     """
     h, i, m = problem.hidden_size, problem.intermediate_size, problem.num_tokens
