@@ -136,40 +136,27 @@ def test_kernel_output_is_capturable_in_a_cuda_graph(gpu_sku):
         assert relative_error(out, eager) < 1e-6, name
 
 
-@cuda
-@needs_gpu
-@pytest.mark.parametrize("problem",
-                         [p for p in _problems() if p.topk > 1 and p.dtype.value != "float32"],
-                         ids=lambda p: p.describe().replace(" ", "-"))
-@pytest.mark.parametrize("reduce", ["atomic_out", "sum"])
-def test_grouped_reduces_match_reference(reduce, problem, gpu_sku):
-    """moetune_grouped's other reduces (atomics into the output, vLLM's separate sum) at the
-    tiles of the fused default: the same rows summed three ways."""
-    kernel = default_registry.get("moetune_grouped")
-    ok, why = kernel.supports(problem, gpu_sku)
-    if not ok:
-        pytest.skip(why)
-    params = kernel.validate({**_params("moetune_grouped", problem), "REDUCE": reduce})
-    assert kernel.check_params(problem, params) is None
-    weights = make_weights(problem, "cuda", seed=1)
-    batch = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF)
-    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
-    out = kernel.prepare(problem, params, weights)(*batch.args())
-    tol = FP8_TOLERANCE if problem.quant.is_fp8 else TOLERANCE[problem.dtype.value]
-    assert relative_error(out, ref) <= tol
+def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
+    """moetune_grouped's other points at the tiles of the fused default: the other reduces
+    (atomics into the output, vLLM's separate sum: the same rows summed three ways) where there
+    is a reduce, and ``g2_N_TILES=2`` everywhere (GEMM2's loop over (tile, K step), every
+    scheme's epilogue once per tile; H = 200 leaves the second tile of each program part empty)."""
+    reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
+               for r in ("atomic_out", "sum")]
+    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()]
 
 
 @cuda
 @needs_gpu
-@pytest.mark.parametrize("problem", _problems(), ids=lambda p: p.describe().replace(" ", "-"))
-def test_grouped_gemm2_programs_of_two_h_tiles_match_reference(problem, gpu_sku):
-    """``g2_N_TILES=2``: GEMM2's loop runs over (tile, K step), every scheme's epilogue once per
-    tile; H = 200 leaves the second tile of each program part empty."""
+@pytest.mark.parametrize("problem,override", _grouped_variants(),
+                         ids=lambda v: v.describe().replace(" ", "-") if isinstance(v, MoEProblem)
+                         else ",".join(f"{k}={x}" for k, x in v.items()))
+def test_grouped_variants_match_reference(problem, override, gpu_sku):
     kernel = default_registry.get("moetune_grouped")
     ok, why = kernel.supports(problem, gpu_sku)
     if not ok:
         pytest.skip(why)
-    params = kernel.validate({**_params("moetune_grouped", problem), "g2_N_TILES": 2})
+    params = kernel.validate({**_params("moetune_grouped", problem), **override})
     assert kernel.check_params(problem, params) is None
     weights = make_weights(problem, "cuda", seed=1)
     batch = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF)
