@@ -193,6 +193,19 @@ def _checks_pass_in_a_fresh_process(flag: str, selection: str, expected: int) ->
     assert f"{expected} passed" in run.stdout.strip().splitlines()[-1], run.stdout[-2000:]
 
 
+def _prepared(name: str, params: dict, problem: MoEProblem, cpu_sku) -> tuple:
+    """``name`` prepared at ``params`` (eligible here, valid, fitting), a batch, and the float32
+    reference's output on it."""
+    kernel = default_registry.get(name)
+    assert kernel.supports(problem, cpu_sku) == (True, None)
+    params = kernel.validate(params)
+    assert kernel.check_params(problem, params) is None
+    weights = make_weights(problem, "cpu", seed=1)
+    batch = make_batch(problem, "cpu", seed=2)
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    return kernel.prepare(problem, params, weights), batch, ref
+
+
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_decode_checks_pass_in_a_fresh_process():
     _checks_pass_in_a_fresh_process("MOETUNE_DECODE_CHECKS", "decode",
@@ -202,14 +215,8 @@ def test_decode_checks_pass_in_a_fresh_process():
 @decode_interpreted
 @pytest.mark.parametrize("problem,override", DECODE_CASES, ids=_case_id)
 def test_decode_kernel_matches_reference_interpreted(problem, override, cpu_sku):
-    kernel = default_registry.get("moetune_decode")
-    assert kernel.supports(problem, cpu_sku) == (True, None)
-    params = kernel.validate({**DECODE, **override})
-    assert kernel.check_params(problem, params) is None
-    weights = make_weights(problem, "cpu", seed=1)
-    batch = make_batch(problem, "cpu", seed=2)
-    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
-    out = kernel.prepare(problem, params, weights)(*batch.args())
+    fn, batch, ref = _prepared("moetune_decode", {**DECODE, **override}, problem, cpu_sku)
+    out = fn(*batch.args())
     assert out.dtype == batch.x.dtype and out.shape == batch.x.shape
     assert relative_error(out, ref) <= TOLERANCE[problem.dtype.value]
 
@@ -374,15 +381,9 @@ def test_grouped_checks_pass_in_a_fresh_process():
 @grouped_interpreted
 @pytest.mark.parametrize("problem,override", GROUPED_CASES, ids=_case_id)
 def test_grouped_kernel_matches_reference_interpreted(problem, override, cpu_sku):
-    kernel = default_registry.get("moetune_grouped")
-    assert kernel.supports(problem, cpu_sku) == (True, None)
-    params = kernel.validate({**GROUPED, **override})
-    assert kernel.check_params(problem, params) is None
-    weights = make_weights(problem, "cpu", seed=1)
-    batch = make_batch(problem, "cpu", seed=2)
-    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    fn, batch, ref = _prepared("moetune_grouped", {**GROUPED, **override}, problem, cpu_sku)
     out = torch.full_like(batch.x, float("nan"))
-    assert kernel.prepare(problem, params, weights)(*batch.args(), out=out) is out
+    assert fn(*batch.args(), out=out) is out
     assert relative_error(out, ref) <= TOLERANCE[problem.dtype.value]
 
 
