@@ -14,7 +14,10 @@ float32 reference first:
 * ``grouped <REDUCE>``: moetune_grouped doing the table winner's work per program where it has
   a config per GEMM (``gemm_configs`` into ``MoetuneGroupedKernel.from_gemm_configs``; else
   vLLM's config for both), for each reduce: the same tiles with and without the fusion, so the
-  difference is the reduce; and at 2, 4 and 8 tiles of H per GEMM2 program (``g2_N_TILES``).
+  difference is the reduce; and at 2, 4 and 8 tiles of H per GEMM2 program (``g2_N_TILES``);
+* each of those again with the weight tiles loaded through TMA descriptors (``W_TMA=1``, keys
+  ending ``+tma``), and the table's row itself that way where its winner is moetune_grouped
+  (``table+tma``): pointers against TMA at the same tiles.
 
 After ``--budget-s`` seconds the remaining rows are skipped (said so in the report).
 """
@@ -62,6 +65,9 @@ def grouped_params(problem: MoEProblem, winner: str | None,
         return {}
     variants = {reduce: {**base, "REDUCE": reduce} for reduce in REDUCES}
     variants |= {f"n{n}": {**base, "g2_N_TILES": n} for n in N_TILES[1:]}
+    variants |= {f"{k}+tma": {**p, "W_TMA": 1} for k, p in variants.items()}
+    if winner == KERNEL:
+        variants["table+tma"] = {**kernel.validate(params), "W_TMA": 1}
     return {k: p for k, p in variants.items() if kernel.check_params(problem, p) is None}
 
 
@@ -98,9 +104,9 @@ def main() -> int:
     print(f"# moetune_grouped on {sku.label()} ({datetime.date.today()}, commit {args.commit})\n")
     print(f"torch {env.get('torch')}, triton {env.get('triton')}; `{' '.join(sys.argv)}`\n")
     print("| preset | M | vLLM's pick us | table winner | its us | grouped atomic | "
-          "atomic_out | sum | N_TILES 2 | 4 | 8 | best grouped vs vLLM | vs table | "
-          "roofline (best) |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "atomic_out | sum | N_TILES 2 | 4 | 8 | best pointers | best TMA | TMA vs pointers | "
+          "table+tma | best grouped vs vLLM | vs table | roofline (best) |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for name in args.presets.split(","):
         shape = preset(name).shape
         weights = make_weights(shape.problem(1), "cuda", seed=0)
@@ -108,7 +114,7 @@ def main() -> int:
         for m in (int(t) for t in args.tokens.split(",")):
             problem = shape.problem(m)
             if time.monotonic() > deadline:
-                print(f"| {name} | {m} | skipped: budget spent | | | | | | | | | | | |")
+                print(f"| {name} | {m} | skipped: budget spent |" + " |" * 15)
                 continue
             inputs = [make_batch(problem, "cuda", seed=1000 * m + i).args()
                       for i in range(GRAPH_CALLS)]
@@ -140,9 +146,14 @@ def _row(name: str, m: int, problem: MoEProblem, winner: str, rows: dict[str, An
             return "-"
         return f"{r['us']:.1f}" if "us" in r else f"({r['skipped'][:40]})"
 
-    variants = (*REDUCES, *(f"n{n}" for n in N_TILES[1:]))
-    grouped = [rows[k]["us"] for k in variants if "us" in rows.get(k, {})]
-    best = min(grouped) if grouped else None
+    def fastest(keys: list[str]) -> float | None:
+        times = [rows[k]["us"] for k in keys if "us" in rows.get(k, {})]
+        return min(times) if times else None
+
+    variants = [*REDUCES, *(f"n{n}" for n in N_TILES[1:])]
+    pointers, tma = fastest(variants), fastest([f"{k}+tma" for k in variants])
+    best = fastest([*variants, *(f"{k}+tma" for k in variants), "table+tma"])
+    tma_gain = f"{pointers / tma:.3f}x" if pointers and tma else "-"
     vllm, table = rows["vllm"].get("us"), rows.get("table", {}).get("us")
     vs_vllm = f"{vllm / best:.3f}x" if best and vllm else "-"
     vs_table = f"{table / best:.3f}x" if best and table else "-"
@@ -150,7 +161,12 @@ def _row(name: str, m: int, problem: MoEProblem, winner: str, rows: dict[str, An
     frac = f"{floor / best:.2f}" if best and floor else "-"
     return (f"| {name} | {m} | {us('vllm')} | {winner} | {us('table')} | {us('atomic')} | "
             f"{us('atomic_out')} | {us('sum')} | {us('n2')} | {us('n4')} | {us('n8')} | "
+            f"{_us(pointers)} | {_us(tma)} | {tma_gain} | {us('table+tma')} | "
             f"{vs_vllm} | {vs_table} | {frac} |")
+
+
+def _us(t: float | None) -> str:
+    return f"{t:.1f}" if t else "-"
 
 
 if __name__ == "__main__":

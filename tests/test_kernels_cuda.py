@@ -140,10 +140,14 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     """moetune_grouped's other points at the tiles of the fused default: the other reduces
     (atomics into the output, vLLM's separate sum: the same rows summed three ways) where there
     is a reduce, and ``g2_N_TILES=2`` everywhere (GEMM2's loop over (tile, K step), every
-    scheme's epilogue once per tile; H = 200 leaves the second tile of each program part empty)."""
+    scheme's epilogue once per tile; H = 200 leaves the second tile of each program part empty),
+    and weight tiles through TMA descriptors, alone and with two tiles per GEMM2 program, where
+    the rows are 16-byte aligned (H = 200 is not in fp8)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
-    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()]
+    tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
+           for tiles in ({}, {"g2_N_TILES": 2})]
+    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma
 
 
 @cuda

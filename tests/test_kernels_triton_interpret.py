@@ -356,7 +356,9 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # tile of other rows (routing aligned twice), a GROUP_SIZE_M that reorders tiles, and tails:
 # H=72 and I=40 are multiples of no tile; 7 tokens x 3 slots leave padded rows in every block.
 # GEMM2 programs of several H tiles: H=72 in 3 tiles, 2 per program (the last half empty),
-# I=32 in one K step (every step ends a tile), and top-1's store.
+# I=32 in one K step (every step ends a tile), and top-1's store. Weight tiles through TMA
+# descriptors: tiles past H and I (zeros from the descriptor, or the next rows of the weight,
+# whose columns are never stored), with each reduce, several H tiles, top-1 and ungated.
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -370,6 +372,10 @@ GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"g2_N_TILES": 2, "REDUCE": "sum"}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
      {"g2_N_TILES": 2}),
+    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"), {"W_TMA": 1, "REDUCE": "atomic_out"}),
+    (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"W_TMA": 1, "g2_N_TILES": 2, "REDUCE": "sum"}),
+    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True), {"W_TMA": 1}),
+    (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu", gated=False), {"W_TMA": 1}),
 ]
 
 
@@ -447,6 +453,11 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (qwen3, {"g2_BLOCK_SIZE_N": 256, "g2_N_TILES": 8}, None),  # 2048 = 8 x 256: all full
         (dataclasses.replace(qwen3, hidden_size=1536), {"g2_BLOCK_SIZE_N": 256, "g2_N_TILES": 8},
          "empty"),
+        (qwen3, {"W_TMA": 1}, None),
+        # fp8 rows of 2040 elements are 2040 B, not a multiple of 16; in bf16 they are 4080 B.
+        (dataclasses.replace(qwen3, hidden_size=2040, quant="fp8_per_channel"), {"W_TMA": 1},
+         "aligned"),
+        (dataclasses.replace(qwen3, hidden_size=2040), {"W_TMA": 1}, None),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),
@@ -455,6 +466,21 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         assert (why is None) if word is None else (why and word in why), (change, why)
     assert kernel.check_params(qwen3, {**kernel.seed_params(qwen3, H100),
                                        **with_prefix(big, "g2_")}) is None
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_tma_variant_is_refused_where_the_device_has_no_tma_unit(monkeypatch):
+    from moetune.runtime.kernels.triton_config import tma_reason
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    verdicts = {}
+    for hip, capability in ((None, (9, 0)), (None, (8, 0)), ("6.4", (9, 4))):
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: capability)
+        verdicts[capability] = tma_reason.__wrapped__()
+    assert verdicts[(9, 0)] is None
+    assert "sm_90" in verdicts[(8, 0)] and "sm_80" in verdicts[(8, 0)]
+    assert "ROCm" in verdicts[(9, 4)]
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")

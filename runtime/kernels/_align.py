@@ -2,8 +2,10 @@
 vLLM's ``moe_align_block_size`` that aiter's Triton MoE GEMMs read.
 
 aiter's own Triton align crashes on CUDA. This one is three tiny kernels with no host sync, so it
-runs inside CUDA graphs. Within an expert the order comes from atomics and may vary between calls;
-results do not, since every GEMM row is computed on its own.
+runs inside CUDA graphs: count the pairs per expert, lay the blocks out (one program per chunk of
+blocks: a single program labelling them all took 20 us of a 1.1 ms DeepSeek-V3 layer at 4096
+tokens on an H200), and scatter each pair to its slot. Within an expert the order comes from
+atomics and may vary between calls; results do not, since every GEMM row is computed on its own.
 """
 
 from __future__ import annotations
@@ -40,16 +42,19 @@ def _count_kernel(ids_ptr, counts_ptr, numel, CHUNK: tl.constexpr):
 @triton.jit
 def _layout_kernel(counts_ptr, cursor_ptr, expert_ids_ptr, num_post_ptr, num_experts, num_blocks,
                    BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
+    """Each program labels ``CHUNK`` blocks with their expert (every program redoes the cheap
+    prefix sum over experts, so the labels need no second pass); program 0 also writes the
+    experts' first slots and the padded length."""
     e = tl.arange(0, E_POW2)
     counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
     blocks = (counts + BLOCK_M - 1) // BLOCK_M
     block_end = tl.cumsum(blocks, 0)
-    tl.store(cursor_ptr + e, (block_end - blocks) * BLOCK_M, mask=e < num_experts)
-    tl.store(num_post_ptr, tl.sum(blocks, 0) * BLOCK_M)
-    for start in range(0, num_blocks, CHUNK):
-        b = start + tl.arange(0, CHUNK)
-        expert = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
-        tl.store(expert_ids_ptr + b, tl.minimum(expert, num_experts - 1), mask=b < num_blocks)
+    if tl.program_id(0) == 0:
+        tl.store(cursor_ptr + e, (block_end - blocks) * BLOCK_M, mask=e < num_experts)
+        tl.store(num_post_ptr, tl.sum(blocks, 0) * BLOCK_M)
+    b = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    expert = tl.sum((block_end[None, :] <= b[:, None]).to(tl.int32), 1)
+    tl.store(expert_ids_ptr + b, tl.minimum(expert, num_experts - 1), mask=b < num_blocks)
 
 
 @triton.jit
@@ -84,7 +89,9 @@ def align(topk_ids: torch.Tensor, block_m: int, num_experts: int, length: int | 
     grid = (triton.cdiv(numel, _CHUNK),)
     _count_kernel[grid](ids, counts, numel, CHUNK=_CHUNK)
     e_pow2 = triton.next_power_of_2(num_experts)
-    _layout_kernel[(1,)](counts, cursor, expert_ids, num_post, num_experts, num_blocks,
-                         BLOCK_M=block_m, E_POW2=e_pow2, CHUNK=max(1, 8192 // e_pow2))
+    chunk = max(1, 8192 // e_pow2)
+    _layout_kernel[(triton.cdiv(num_blocks, chunk),)](
+        counts, cursor, expert_ids, num_post, num_experts, num_blocks, BLOCK_M=block_m,
+        E_POW2=e_pow2, CHUNK=chunk)
     _scatter_kernel[grid](ids, cursor, sorted_ids, numel, CHUNK=_CHUNK)
     return Routing(sorted_ids, expert_ids, num_post)

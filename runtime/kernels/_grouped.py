@@ -12,6 +12,9 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    nothing to reduce), or stores the (pairs, H) rows a torch sum then reduces (``ROWS``: what
    vLLM does, kept so the search measures the fused reduce against it on every GPU and shape).
 
+``W_TMA`` loads both GEMMs' weight tiles through TMA descriptors (made once per prepared call)
+instead of pointers; the activation rows are gathered by routed pair either way.
+
 fp8 layers run W8A8 on fp8 tensor cores: activations are quantized per token (per 128-column
 group for block-fp8 weights) before each GEMM, and the epilogue applies the activation and
 weight scales (per expert, per output row, or per 128x128 block, where a K step lies inside one
@@ -58,12 +61,25 @@ def _tile(pid, num_rows, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 
 
 @triton.jit
-def _gemm1_act(x_ptr, xs_ptr, w_ptr, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_ptr, post_ptr,
-               H, I, pairs, num_rows, stride_xm, stride_xsm, stride_we, stride_wn, stride_wk,
-               stride_se, stride_sn, stride_sk, stride_hm,
+def _weight_tile(w_desc, w_ptrs, expert, first_n, first_k, mask, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, W_TMA: tl.constexpr):
+    """The (BLOCK_K, BLOCK_N) tile of ``expert``'s weight rows ``first_n``.. at columns
+    ``first_k``..: by the TMA unit through descriptor ``w_desc`` (rows of the (E, N, K) weight,
+    zero past its edges), or by pointers ``w_ptrs`` under ``mask``."""
+    if W_TMA:
+        tile = w_desc.load([expert.to(tl.int32), first_n, first_k])
+        return tile.reshape(BLOCK_N, BLOCK_K).T
+    else:
+        return tl.load(w_ptrs, mask=mask, other=0.0)
+
+
+@triton.jit
+def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_ptr,
+               post_ptr, H, I, pairs, num_rows, stride_xm, stride_xsm, stride_we, stride_wn,
+               stride_wk, stride_se, stride_sn, stride_sk, stride_hm,
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
@@ -85,7 +101,8 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_p
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         mask_k = offs_k < H - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(gate_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+        w = _weight_tile(w_desc, gate_ptrs, expert, pid_n * BLOCK_N, k * BLOCK_K,
+                         mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
         if QUANT == 3:  # block scales: this K step lies in one 128-column block
             group = (k * BLOCK_K) // 128
             a_scale = tl.load(xs_ptr + token * stride_xsm + group, mask=valid, other=0.0)
@@ -95,7 +112,8 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_p
         else:
             acc_gate = tl.dot(a, w, acc_gate)
         if GATED:
-            w = tl.load(up_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            w = _weight_tile(w_desc, up_ptrs, expert, I + pid_n * BLOCK_N, k * BLOCK_K,
+                             mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
             if QUANT == 3:
                 w_scale = tl.load(s_base + ((I + offs_n) // 128) * stride_sn + group * stride_sk,
                                   mask=mask_n, other=0.0)
@@ -131,12 +149,13 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_p
 
 
 @triton.jit
-def _gemm2_reduce(a_ptr, as_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, sorted_ptr, experts_ptr,
-                  post_ptr, H, I, pairs, num_rows, stride_am, stride_asm, stride_we, stride_wn,
-                  stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
+                  experts_ptr, post_ptr, H, I, pairs, num_rows, stride_am, stride_asm, stride_we,
+                  stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                   TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr):
+                  BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
+                  W_TMA: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
@@ -157,7 +176,8 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, sorted_ptr, expe
         for k in range(0, tl.cdiv(I, BLOCK_K)):
             mask_k = offs_k < I - k * BLOCK_K
             a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            w = _weight_tile(w_desc, w_ptrs, expert, pid_n * BLOCK_N, k * BLOCK_K,
+                             mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
             if QUANT == 3:
                 group = (k * BLOCK_K) // 128
                 a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
@@ -176,14 +196,16 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, s_ptr, tw_ptr, out_ptr, sorted_ptr, expe
         k_steps = tl.cdiv(I, BLOCK_K)
         for step in range(0, N_TILES * k_steps):
             k = step % k_steps
-            offs_n = (pid_n * N_TILES + step // k_steps) * BLOCK_N + tl.arange(0, BLOCK_N)
+            first_n = (pid_n * N_TILES + step // k_steps) * BLOCK_N
+            offs_n = first_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < H
             mask_k = offs_k < I - k * BLOCK_K
             a = tl.load(a_ptr + row[:, None] * stride_am + (k * BLOCK_K + offs_k)[None, :],
                         mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = tl.load(w_base + offs_n[None, :] * stride_wn
-                        + (k * BLOCK_K + offs_k)[:, None] * stride_wk,
-                        mask=mask_k[:, None] & mask_n[None, :], other=0.0)
+            w = _weight_tile(w_desc, w_base + offs_n[None, :] * stride_wn
+                             + (k * BLOCK_K + offs_k)[:, None] * stride_wk, expert, first_n,
+                             k * BLOCK_K, mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K,
+                             W_TMA)
             if QUANT == 3:
                 group = (k * BLOCK_K) // 128
                 a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
@@ -224,6 +246,15 @@ def _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s
             tl.atomic_add(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
 
 
+def weight_descriptor(w: torch.Tensor, config: dict[str, int]) -> Any:
+    """A TMA descriptor of the (E, N, K) weight ``w`` loading (1, BLOCK_SIZE_N, BLOCK_SIZE_K)
+    tiles; made once per prepared call, since the weights do not move."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(w, list(w.shape), list(w.stride()),
+                            [1, config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]])
+
+
 def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
     """The prepared call (``moetune_grouped``'s parameter names): routing once per distinct
     BLOCK_SIZE_M, activation quantization for fp8, both GEMMs, and the reduce
@@ -240,6 +271,9 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
     on_input = problem.router_weight_on_input
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
+    w_tma = params["W_TMA"]
+    d13 = weight_descriptor(w13, config1) if w_tma else w13
+    d2 = weight_descriptor(w2, config2) if w_tma else w2
     if problem.topk == 1:
         mode, buffer = STORE, "out"
     elif reduce == "sum":
@@ -275,12 +309,12 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
         h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
         rows1 = routing1.sorted_token_ids.numel()
         launch(_gemm1_act, config1, rows1, inter)(
-            xq, xs, w13, s13, weights_flat, h, routing1.sorted_token_ids, routing1.expert_ids,
+            xq, xs, w13, d13, s13, weights_flat, h, routing1.sorted_token_ids, routing1.expert_ids,
             routing1.num_tokens_post_padded, hidden, inter, pairs, rows1, xq.stride(0),
             xs.stride(0), *w13.stride(), *s13_strides, h.stride(0), TOPK=topk,
             GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
             BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
-            BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"],
+            BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
             num_warps=config1["num_warps"], num_stages=config1["num_stages"])
         hq, hs = quantize(h)
         if buffer == "rows":
@@ -291,13 +325,13 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             target = out.zero_() if mode == ATOMIC else out
         rows2 = routing2.sorted_token_ids.numel()
         launch(_gemm2_reduce, config2, rows2, hidden, n_tiles)(
-            hq, hs, w2, s2, weights_flat, target, routing2.sorted_token_ids, routing2.expert_ids,
+            hq, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids, routing2.expert_ids,
             routing2.num_tokens_post_padded, hidden, inter, pairs, rows2, hq.stride(0),
             hs.stride(0), *w2.stride(), *s2_strides, target.stride(0), TOPK=topk, QUANT=quant,
             MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
             BLOCK_N=config2["BLOCK_SIZE_N"], BLOCK_K=config2["BLOCK_SIZE_K"],
-            GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, num_warps=config2["num_warps"],
-            num_stages=config2["num_stages"])
+            GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, W_TMA=w_tma,
+            num_warps=config2["num_warps"], num_stages=config2["num_stages"])
         if buffer == "rows":
             torch.sum(target.view(m, topk, hidden), dim=1, out=out)
         elif buffer == "float32":

@@ -17,7 +17,7 @@ from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
 from moetune.runtime.kernels._own_triton import OwnTritonKernel
 from moetune.runtime.kernels.triton_config import (
     QUANT_BLOCK, config_of, config_params, operand_bytes, shared_memory_bytes,
-    shared_memory_limit, with_prefix)
+    shared_memory_limit, tma_reason, with_prefix)
 from moetune.runtime.platform import SKU
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 from moetune.runtime.vllm.configs import vllm_config
@@ -28,6 +28,12 @@ from moetune.runtime.vllm.configs import vllm_config
 REDUCES = ("atomic", "atomic_out", "sum")
 #: ``tl.dot`` needs tiles of at least 16 rows.
 MIN_BLOCK_M = 16
+#: Whether both GEMMs load their weight tiles through TMA descriptors (Hopper's tensor memory
+#: accelerator: no address arithmetic or registers per tile) or by pointers, which every GPU
+#: runs; activations are gathered by routed pair, which a descriptor cannot load on sm_90.
+W_TMA = (0, 1)
+#: A TMA descriptor's row strides must be multiples of this many bytes.
+TMA_ALIGN = 16
 #: Tiles of H one GEMM2 program computes in one pipelined loop (``_grouped``); 1 was the only
 #: value before this parameter existed.
 N_TILES = (1, 2, 4, 8)
@@ -39,7 +45,8 @@ class MoetuneGroupedKernel(OwnTritonKernel):
 
     name = "moetune_grouped"
     params = config_params("g1_") + config_params("g2_") + (
-        Param("g2_N_TILES", N_TILES, default=1), Param("REDUCE", REDUCES))
+        Param("g2_N_TILES", N_TILES, default=1), Param("W_TMA", W_TMA, default=0),
+        Param("REDUCE", REDUCES))
     kernels_module = "moetune.runtime.kernels._grouped"
 
     # --- parameters --------------------------------------------------------------------------
@@ -65,6 +72,14 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if n_tiles > -(-problem.hidden_size // block_n):
             return (f"g2_N_TILES={n_tiles} tiles of {block_n} columns: H={problem.hidden_size} "
                     "leaves some empty in every program")
+        if params["W_TMA"]:
+            reason = tma_reason()
+            if reason:
+                return f"W_TMA=1: {reason}"
+            for name, size in (("H", problem.hidden_size), ("I", problem.intermediate_size)):
+                if size * element % TMA_ALIGN:
+                    return (f"W_TMA=1: weight rows of {name}={size} elements are not "
+                            f"{TMA_ALIGN}-byte aligned")
         reduce = params["REDUCE"]
         if problem.topk == 1 and reduce != "atomic":
             return f"top-1 stores its rows directly: REDUCE={reduce} changes nothing"
@@ -102,7 +117,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if problem.gated:
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
-        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1}
+        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "W_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)

@@ -70,6 +70,23 @@ def shared_memory_limit() -> int:
     return _HOPPER_SMEM_BYTES
 
 
+@functools.cache
+def tma_reason() -> str | None:
+    """Why the current device cannot load tiles through TMA descriptors, or None: Hopper and
+    newer NVIDIA GPUs, and Triton's CPU interpreter, which emulates them. Triton lowers
+    descriptors to plain loads on ROCm, so a TMA variant would only repeat the pointer one."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    if torch.version.hip:
+        return "no TMA unit on ROCm (Triton lowers descriptors to plain loads there)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"TMA needs sm_90 or newer, device is sm_{major}{minor}"
+    return None
+
+
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, num_stages: int,
                         element_bytes: int) -> int:
     """What Triton's software pipeline keeps in shared memory: ``num_stages`` A and B tiles.
