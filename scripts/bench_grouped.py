@@ -63,6 +63,7 @@ def grouped_params(problem: MoEProblem, winner: str | None,
             else kernel.seed_params(problem, detect_sku("cuda")))
     if base is None:
         return {}
+    base = {**base, "W_TMA": 0}
     variants = {reduce: {**base, "REDUCE": reduce} for reduce in REDUCES}
     variants |= {f"n{n}": {**base, "g2_N_TILES": n} for n in N_TILES[1:]}
     variants |= {f"{k}+tma": {**p, "W_TMA": 1} for k, p in variants.items()}

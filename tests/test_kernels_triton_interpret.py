@@ -495,6 +495,11 @@ def test_grouped_takes_over_a_vllm_config_at_the_same_work_per_program():
     assert params["g1_BLOCK_SIZE_N"] == 128 and params["g2_BLOCK_SIZE_N"] == 256
     assert params["g2_BLOCK_SIZE_M"] == 16 and params["REDUCE"] == "atomic_out"
     assert kernel.check_params(qwen3, params) is None
+    # Weight tiles through TMA where the rows allow it (this machine has no GPU to refuse it),
+    # by pointers where fp8 rows of 2040 B are not 16-byte aligned.
+    assert params["W_TMA"] == 1
+    unaligned = dataclasses.replace(qwen3, hidden_size=2040, quant="fp8_per_channel")
+    assert kernel.from_gemm_configs(unaligned, vllm, vllm)["W_TMA"] == 0
     # And back: aiter's split family at the same tiles, which the search measures next.
     gemm1, gemm2 = kernel.gemm_configs(qwen3, params)
     assert gemm1 == vllm and gemm2 == {**vllm, "BLOCK_SIZE_M": 16}
