@@ -325,10 +325,10 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             target = out.zero_() if mode == ATOMIC else out
         rows2 = routing2.sorted_token_ids.numel()
         launch(_gemm2_reduce, config2, rows2, hidden, n_tiles)(
-            hq, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids, routing2.expert_ids,
-            routing2.num_tokens_post_padded, hidden, inter, pairs, rows2, hq.stride(0),
-            hs.stride(0), *w2.stride(), *s2_strides, target.stride(0), TOPK=topk, QUANT=quant,
-            MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
+            hq, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids,
+            routing2.expert_ids, routing2.num_tokens_post_padded, hidden, inter, pairs, rows2,
+            hq.stride(0), hs.stride(0), *w2.stride(), *s2_strides, target.stride(0), TOPK=topk,
+            QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
             BLOCK_N=config2["BLOCK_SIZE_N"], BLOCK_K=config2["BLOCK_SIZE_K"],
             GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, W_TMA=w_tma,
             num_warps=config2["num_warps"], num_stages=config2["num_stages"])
