@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from moetune import db
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param, params_key
 from moetune.runtime.kernels.torch_dense import TorchDenseKernel
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import KERNEL_PATHS, Registry
@@ -14,6 +14,7 @@ from moetune.runtime.rules import rule_choice, rule_variants
 from moetune.tuner.confirm import confirm
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.measure import Measurer, Status
+from moetune.tuner.bucket import _known_results
 from moetune.tuner.search import search
 
 
@@ -126,6 +127,51 @@ def test_job_writes_every_bucket_and_resumes_without_remeasuring(tmp_path, cpu_s
     assert all(o.reused == first[i].measured for i, o in enumerate(second))
     assert sum(o.measured for o in second) < sum(o.measured for o in first)
     assert len(db.read_winners(path).rows) == 2
+
+
+class DenseBefore(AnyDeviceKernel):
+    """A kernel as an older moetune declared it; ``DenseAfter`` is the same kernel once it
+    gained a parameter whose default is what it computed before."""
+
+    name = "dense_grown"
+    params = (Param("chunk_tokens", (8, 32, 128)),)
+
+    @classmethod
+    def prepare(cls, problem, params, weights):
+        return TorchDenseKernel.prepare(problem, {"chunk_tokens": params["chunk_tokens"]}, weights)
+
+
+class DenseAfter(DenseBefore):
+    params = DenseBefore.params + (Param("unroll", (0, 1), default=0),)
+
+
+def test_trials_stored_before_a_kernel_gained_a_parameter_are_reused_at_its_default(
+        tmp_path, small_problem, cpu_sku):
+    path = tmp_path / "t.db"
+    opts = JobOptions(device="cpu", trials=8, reps=3)
+    run_job([small_problem], path, cpu_sku, opts, registry=registry_with(DenseBefore))
+    writer = db.TableWriter(path)
+    before = {json: m for (kernel, json), m in
+              writer.measurements(cpu_sku.to_row(), small_problem.to_row()).items()
+              if kernel == "dense_grown"}
+    assert before and all("unroll" not in m.params for m in before.values())
+
+    known, runs = _known_results(writer, cpu_sku, small_problem, registry_with(DenseAfter))
+    grown = {key: r for key, r in known.items() if key[0] == "dense_grown"}
+    assert len(grown) == len(before)
+    assert all(r.params["unroll"] == 0 and key == ("dense_grown", params_key(r.params))
+               for key, r in grown.items())
+    assert set(runs) == set(known)
+    # A kernel no longer registered: its trials cannot be reproduced, so none is known.
+    assert not _known_results(writer, cpu_sku, small_problem, Registry({}))[0]
+
+    # Re-tuned by today's kernel: the stored points are not timed again.
+    run_job([small_problem], path, cpu_sku, opts, registry=registry_with(DenseAfter))
+    after = writer.measurements(cpu_sku.to_row(), small_problem.to_row())
+    chunks = {m.params["chunk_tokens"] for m in before.values()}
+    retimed = [m for (kernel, _), m in after.items() if kernel == "dense_grown"
+               and m.params.get("unroll") == 0 and m.params["chunk_tokens"] in chunks]
+    assert not retimed
 
 
 class ProcessKillingKernel(AnyDeviceKernel):

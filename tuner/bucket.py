@@ -15,7 +15,7 @@ import time
 from typing import Callable
 
 from moetune import db
-from moetune.errors import TuningError
+from moetune.errors import InvalidParamsError, TuningError, UnknownKernelError
 from moetune.runtime.dispatcher import row_verdict
 from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import SKU
@@ -116,7 +116,7 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                   lane: Lane) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     worker, pool = lane.worker, lane.pool
-    known, measured_by = _known_results(writer, sku, problem)
+    known, measured_by = _known_results(writer, sku, problem, registry)
     start = time.perf_counter()
     compiled_before = pool.seconds if pool else 0.0
     try:
@@ -158,15 +158,27 @@ def _record(r: Result) -> db.MeasurementRecord:
                                 t.samples if t else 0, r.error, r.reason)
 
 
-def _known_results(writer: db.TableWriter, sku: SKU,
-                   problem: MoEProblem) -> tuple[dict[Key, Result], dict[Key, int]]:
+def _known_results(writer: db.TableWriter, sku: SKU, problem: MoEProblem,
+                   registry: Registry) -> tuple[dict[Key, Result], dict[Key, int]]:
     """Measurements earlier runs (this job's included) left in the table for this bucket, and
-    the run that made each."""
-    known, runs = {}, {}
-    for key, m in writer.measurements(sku.to_row(), problem.to_row()).items():
+    the run that made each, keyed by their parameters as the kernel validates them today: a
+    trial stored before its kernel gained a parameter is the point at that parameter's default,
+    so the search neither times it again nor misses the new parameter's moves from it. Trials
+    of kernels no longer registered, or outside today's space, are left out: nothing can
+    reproduce them."""
+    known: dict[Key, Result] = {}
+    runs: dict[Key, int] = {}
+    for m in writer.measurements(sku.to_row(), problem.to_row()).values():
+        try:
+            params = registry.get(m.kernel).validate(m.params)
+        except (UnknownKernelError, InvalidParamsError):
+            continue
+        key = (m.kernel, params_key(params))
+        if runs.get(key, -1) > m.run_id:  # stored with and without the default: the newer
+            continue
         timing = None
         if m.median_us is not None:
             timing = Timing(m.median_us, m.p20_us, m.p80_us, m.samples, "stored")
-        known[key] = Result(m.kernel, m.params, m.status, timing, m.error, m.reason)
+        known[key] = Result(m.kernel, params, m.status, timing, m.error, m.reason)
         runs[key] = m.run_id
     return known, runs
