@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from moetune.runtime.kernels.base import BaseKernel, Param
+from moetune.runtime.kernels.base import BaseKernel, Param, params_key
 from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.measure import Result, Status
@@ -75,6 +75,18 @@ def test_local_search_spends_at_most_its_budget(small_problem, cpu_sku, candidat
     search(small_problem, cpu_sku, within, candidates, trials=2, refine=7)
     assert len(within.calls) == len(without.calls) + 7
     assert OPTIMUM not in bowl_calls(within)  # 7 moves cannot reach it from the far corner
+
+
+def test_local_search_climbs_from_the_best_stored_trial(small_problem, cpu_sku, candidates):
+    # A trial an earlier run stored next to the optimum, which this run's trials do not reach.
+    near = {"a": 4, "b": 2, "c": 4}
+    stored = Result("bowl", near, Status.OK, Timing(101.0, 101.0, 101.0, 1, "stored"))
+    measurer = BowlMeasurer()
+    results = search(small_problem, cpu_sku, measurer, candidates, trials=2, refine=6,
+                     known={("bowl", params_key(near)): stored})
+    assert near not in bowl_calls(measurer)  # stored: not timed again
+    assert OPTIMUM in bowl_calls(measurer)  # one of its 6 one-step moves
+    assert min(results.values(), key=lambda r: r.median_us).params == OPTIMUM
 
 
 def test_neighbours_move_one_parameter_one_step():
