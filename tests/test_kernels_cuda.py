@@ -27,6 +27,7 @@ from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.gate import relative_error, tolerance
 from moetune.tuner.inputs import Routing, make_batch, make_weights
+from tests.routing_checks import check_routing, random_ids
 
 HAS_GPU = torch.cuda.is_available() and not getattr(torch.version, "hip", None)
 cuda = pytest.mark.cuda
@@ -84,6 +85,23 @@ def _params(name: str, problem: MoEProblem) -> dict:
 @pytest.fixture(scope="module")
 def gpu_sku() -> SKU:
     return detect_sku("cuda")
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("one_program_max", [0, None, 1 << 20],
+                         ids=["three-launches", "as-served", "one-launch"])
+def test_align_groups_every_routed_pair_on_the_gpu(one_program_max):
+    """Both align paths compiled, at decode and DeepSeek-V3 prefill sizes (4096 tokens: 32768
+    pairs) and a top-1 layer."""
+    from moetune.runtime.kernels._align import ONE_PROGRAM_MAX, align
+
+    limit = ONE_PROGRAM_MAX if one_program_max is None else one_program_max
+    gen = torch.Generator().manual_seed(0)
+    for m, topk, e, block in ((1, 8, 256, 16), (64, 8, 256, 64), (512, 8, 128, 16),
+                              (4096, 8, 256, 64), (3000, 1, 128, 128)):
+        ids = random_ids(m, topk, e, gen).cuda()
+        check_routing(ids, block, e, align(ids, block, e, one_program_max=limit))
 
 
 @cuda

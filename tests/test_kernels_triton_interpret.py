@@ -26,6 +26,7 @@ from moetune.runtime.problem import MoEProblem, QuantScheme
 from moetune.runtime.registry import default_registry
 from moetune.tuner.gate import relative_error
 from moetune.tuner.inputs import make_batch, make_weights
+from tests.routing_checks import check_routing, random_ids
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
@@ -85,23 +86,16 @@ def test_persistent_flag_is_the_one_aiters_wrapper_reads_and_is_restored(module,
 
 
 @interpreted
-def test_align_groups_every_routed_pair_by_expert_in_padded_blocks():
-    from moetune.runtime.kernels._align import align, padded_length
+@pytest.mark.parametrize("one_program", [True, False], ids=["one-launch", "three-launches"])
+def test_align_groups_every_routed_pair_by_expert_in_padded_blocks(one_program):
+    from moetune.runtime.kernels._align import ONE_PROGRAM_MAX, align
 
     gen = torch.Generator().manual_seed(0)
-    for m, topk, e, block in ((1, 1, 8, 16), (3, 2, 8, 16), (37, 8, 256, 64), (200, 2, 8, 128)):
-        ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(m)]).int()
-        r = align(ids, block, e)
-        flat, sorted_ids = ids.view(-1), r.sorted_token_ids
-        n = int(r.num_tokens_post_padded)
-        assert n % block == 0 and len(sorted_ids) == padded_length(flat.numel(), block, e) >= n
-        assert (sorted_ids[n:] == flat.numel()).all()
-        valid = sorted_ids[:n][sorted_ids[:n] < flat.numel()]
-        assert sorted(valid.tolist()) == list(range(flat.numel()))
-        for b in range(n // block):
-            rows = sorted_ids[b * block:(b + 1) * block]
-            rows = rows[rows < flat.numel()].long()
-            assert len(rows) and (flat[rows] == r.expert_ids[b]).all()
+    for m, topk, e, block in ((1, 1, 8, 16), (3, 2, 8, 16), (37, 8, 256, 64), (200, 2, 8, 128),
+                              (300, 8, 128, 16)):
+        ids = random_ids(m, topk, e, gen)
+        r = align(ids, block, e, one_program_max=ONE_PROGRAM_MAX if one_program else 0)
+        check_routing(ids, block, e, r)
 
 
 @interpreted
@@ -381,7 +375,7 @@ GROUPED_CASES = [
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_grouped_checks_pass_in_a_fresh_process():
-    _checks_pass_in_a_fresh_process("MOETUNE_GROUPED_CHECKS", "grouped", len(GROUPED_CASES))
+    _checks_pass_in_a_fresh_process("MOETUNE_GROUPED_CHECKS", "grouped", len(GROUPED_CASES) + 2)
 
 
 @grouped_interpreted
@@ -391,6 +385,20 @@ def test_grouped_kernel_matches_reference_interpreted(problem, override, cpu_sku
     out = torch.full_like(batch.x, float("nan"))
     assert fn(*batch.args(), out=out) is out
     assert relative_error(out, ref) <= TOLERANCE[problem.dtype.value]
+
+
+@grouped_interpreted
+@pytest.mark.parametrize("reduce", ["atomic_out", "atomic"])
+def test_grouped_output_may_be_a_view_of_wider_rows(reduce, cpu_sku):
+    """GEMM1 zeroes what GEMM2 adds into row by row at the output's stride: the columns past
+    the view keep what they held."""
+    problem = MoEProblem(7, 72, 40, 4, 3, dtype="float16")
+    fn, batch, ref = _prepared("moetune_grouped", {**GROUPED, "REDUCE": reduce}, problem, cpu_sku)
+    wide = torch.full((7, 80), float("nan"), dtype=batch.x.dtype)
+    out = wide[:, :72]
+    assert fn(*batch.args(), out=out) is out
+    assert relative_error(out, ref) <= TOLERANCE["float16"]
+    assert wide[:, 72:].isnan().all()
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")

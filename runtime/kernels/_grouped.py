@@ -5,6 +5,8 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    the block's expert are read once per K step and multiplied by the same activation tile (two
    accumulators); the epilogue applies the scales, the router weight when it is on the input,
    the activation and the gate product, and writes the activated intermediate (pairs, I).
+   Where GEMM2 adds into its output, every GEMM1 program also zeroes a share of that output
+   first (``ZERO``), so no fill launch precedes GEMM2.
 2. ``_gemm2_reduce``: one program per (block of sorted pairs, ``N_TILES`` tiles of H), the
    tiles in one loop over (tile, K step) so that loads stay in flight across tiles when I is
    short. The epilogue multiplies the router weight and adds each row into its token's output
@@ -74,12 +76,30 @@ def _weight_tile(w_desc, w_ptrs, expert, first_n, first_k, mask, BLOCK_N: tl.con
 
 
 @triton.jit
+def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
+    """This program's share of the (rows, cols) matrix at ``ptr`` (row stride ``stride``) set to
+    zero: the flat elements split evenly over the grid."""
+    numel = rows * cols
+    share = tl.cdiv(tl.cdiv(numel, tl.num_programs(0)), BLOCK) * BLOCK
+    first = tl.program_id(0) * share
+    zeros = tl.zeros([BLOCK], dtype=ptr.dtype.element_ty)
+    for start in range(first, tl.minimum(first + share, numel), BLOCK):
+        flat = start + tl.arange(0, BLOCK)
+        tl.store(ptr + (flat // cols).to(tl.int64) * stride + flat % cols, zeros,
+                 mask=flat < numel)
+
+
+@triton.jit
 def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_ptr,
-               post_ptr, H, I, pairs, num_rows, stride_xm, stride_xsm, stride_we, stride_wn,
-               stride_wk, stride_se, stride_sn, stride_sk, stride_hm,
+               post_ptr, zero_ptr, zero_rows, zero_cols, zero_stride, H, I, pairs, num_rows,
+               stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+               stride_sk, stride_hm,
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr):
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
+               ZERO: tl.constexpr):
+    if ZERO:  # GEMM2 adds into this buffer
+        _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
@@ -307,22 +327,23 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
         xq, xs = quantize(x)
         h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
-        rows1 = routing1.sorted_token_ids.numel()
-        launch(_gemm1_act, config1, rows1, inter)(
-            xq, xs, w13, d13, s13, weights_flat, h, routing1.sorted_token_ids, routing1.expert_ids,
-            routing1.num_tokens_post_padded, hidden, inter, pairs, rows1, xq.stride(0),
-            xs.stride(0), *w13.stride(), *s13_strides, h.stride(0), TOPK=topk,
-            GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
-            BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
-            BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
-            num_warps=config1["num_warps"], num_stages=config1["num_stages"])
-        hq, hs = quantize(h)
         if buffer == "rows":
             target = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
         elif buffer == "float32":
-            target = torch.zeros((m, hidden), dtype=torch.float32, device=x.device)
+            target = torch.empty((m, hidden), dtype=torch.float32, device=x.device)
         else:
-            target = out.zero_() if mode == ATOMIC else out
+            target = out
+        rows1 = routing1.sorted_token_ids.numel()
+        launch(_gemm1_act, config1, rows1, inter)(
+            xq, xs, w13, d13, s13, weights_flat, h, routing1.sorted_token_ids, routing1.expert_ids,
+            routing1.num_tokens_post_padded, target, m, hidden, target.stride(0), hidden, inter,
+            pairs, rows1, xq.stride(0), xs.stride(0), *w13.stride(), *s13_strides, h.stride(0),
+            TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
+            BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
+            BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
+            ZERO=mode == ATOMIC, num_warps=config1["num_warps"],
+            num_stages=config1["num_stages"])
+        hq, hs = quantize(h)
         rows2 = routing2.sorted_token_ids.numel()
         launch(_gemm2_reduce, config2, rows2, hidden, n_tiles)(
             hq, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids,
