@@ -23,9 +23,10 @@ import triton.language as tl
 _CHUNK = 1024
 #: Elements of the (chunk of blocks, experts) comparison that labels blocks with their expert.
 _LABEL_WORK = 8192
-#: Routed pairs up to which one program does the whole align (``bench/results/`` says where
-#: it stops paying on the H200).
-ONE_PROGRAM_MAX = 4096
+#: Routed pairs up to which one program does the whole align. On the H200 one launch took
+#: 3.8-4.6 us against 8.5-9.0 us for three at 8-64 pairs, broke even at 512-1024 pairs with 256
+#: experts (1.25-1.37x faster with 128) and lost from 2048 (``bench/results/launches-h200-*``).
+ONE_PROGRAM_MAX = 1024
 
 
 @dataclasses.dataclass(frozen=True)

@@ -77,16 +77,15 @@ def _weight_tile(w_desc, w_ptrs, expert, first_n, first_k, mask, BLOCK_N: tl.con
 
 @triton.jit
 def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
-    """This program's share of the (rows, cols) matrix at ``ptr`` (row stride ``stride``) set to
-    zero: the flat elements split evenly over the grid."""
-    numel = rows * cols
-    share = tl.cdiv(tl.cdiv(numel, tl.num_programs(0)), BLOCK) * BLOCK
-    first = tl.program_id(0) * share
+    """This program's rows of the (rows, cols) matrix at ``ptr`` (row stride ``stride``) set to
+    zero: row r falls to program r mod the grid (no division per element: that cost 20 us of a
+    DeepSeek-V3 layer at 4096 tokens on an H200)."""
     zeros = tl.zeros([BLOCK], dtype=ptr.dtype.element_ty)
-    for start in range(first, tl.minimum(first + share, numel), BLOCK):
-        flat = start + tl.arange(0, BLOCK)
-        tl.store(ptr + (flat // cols).to(tl.int64) * stride + flat % cols, zeros,
-                 mask=flat < numel)
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        base = ptr + (tl.zeros([1], dtype=tl.int64) + row) * stride
+        for first in range(0, cols, BLOCK):
+            offs = first + tl.arange(0, BLOCK)
+            tl.store(base + offs, zeros, mask=offs < cols)
 
 
 @triton.jit
