@@ -78,8 +78,9 @@ def _weight_tile(w_desc, w_ptrs, expert, first_n, first_k, mask, BLOCK_N: tl.con
 @triton.jit
 def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
     """This program's rows of the (rows, cols) matrix at ``ptr`` (row stride ``stride``) set to
-    zero: row r falls to program r mod the grid (no division per element: that cost 20 us of a
-    DeepSeek-V3 layer at 4096 tokens on an H200)."""
+    zero: row r falls to program r mod the grid. A division per element instead made the layer
+    slower than a separate fill where the output is large (0.977x at Qwen3-235B, 4096 tokens,
+    on an H200: ``bench/results/launches-h200-2026-12-02``)."""
     zeros = tl.zeros([BLOCK], dtype=ptr.dtype.element_ty)
     for row in range(tl.program_id(0), rows, tl.num_programs(0)):
         base = ptr + (tl.zeros([1], dtype=tl.int64) + row) * stride
