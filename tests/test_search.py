@@ -102,6 +102,33 @@ def test_neighbours_move_one_parameter_one_step():
         {"n": 8, "mode": "ordered"}, {"n": 8, "mode": "two_pass"}]
 
 
+def test_neighbours_move_declared_pairs_together():
+    class Tiled(Bowl):
+        params = (Param("tile", (16, 32, 64), moves_with=(("warps", 1), ("stages", -1))),
+                  Param("warps", (4, 8)), Param("stages", (2, 3)))
+
+    moves = neighbours(Tiled, {"tile": 32, "warps": 4, "stages": 2})
+    paired = [m for m in moves if sum(m[k] != v for k, v in
+                                      {"tile": 32, "warps": 4, "stages": 2}.items()) == 2]
+    # Shrinking: warps cannot go below 4, stages go up; growing: more warps, stages stay at 2.
+    assert paired == [{"tile": 16, "warps": 4, "stages": 3}, {"tile": 64, "warps": 8, "stages": 2}]
+    assert moves[:len(moves) - 2] == [  # the single moves first, as before
+        {"tile": 16, "warps": 4, "stages": 2}, {"tile": 64, "warps": 4, "stages": 2},
+        {"tile": 32, "warps": 8, "stages": 2}, {"tile": 32, "warps": 4, "stages": 3}]
+
+
+def test_triton_tiles_move_with_their_warps_and_k_steps_with_their_stages():
+    from moetune.runtime.kernels.moetune_grouped import MoetuneGroupedKernel
+
+    params = {p.name: p.choices[1] for p in MoetuneGroupedKernel.params}
+    params |= {"g1_BLOCK_SIZE_M": 64, "g1_num_warps": 4, "g1_BLOCK_SIZE_K": 128,
+               "g1_num_stages": 3, "g2_num_warps": 4}
+    moves = neighbours(MoetuneGroupedKernel, params)
+    assert params | {"g1_BLOCK_SIZE_M": 128, "g1_num_warps": 8} in moves
+    assert params | {"g1_BLOCK_SIZE_K": 256, "g1_num_stages": 2} in moves
+    assert params | {"g1_BLOCK_SIZE_M": 128, "g2_num_warps": 8} not in moves  # per GEMM
+
+
 
 def seeded(kernel: type[BaseKernel], name: str, seed: dict[str, int],
            **fields: Any) -> type[BaseKernel]:

@@ -1,6 +1,7 @@
 """One bucket's search: an Optuna study over (kernel, that kernel's parameters), asked in
 batches the compile pool builds ahead of timing, measured one candidate after another, then a
-local search from the best: one-step moves of one parameter at a time, while they gain; then
+local search from the best: one-step moves of one parameter at a time (and of the pairs a
+kernel declares move together, like a tile and its warps), while they gain; then
 from the best's work per program in the other families that share vLLM's config space, and
 from every family close to the best.
 
@@ -223,19 +224,34 @@ def translations(problem: MoEProblem, kernels: dict[str, type[BaseKernel]],
 
 def neighbours(kernel: type[BaseKernel], params: dict[str, Any]) -> list[dict[str, Any]]:
     """``params`` with one parameter moved one step: to the next smaller or larger choice of a
-    numeric parameter, to each other choice of an unordered one. Values outside the declared
-    choices (a vLLM tuned-file config) stay as they are."""
-    moves = []
+    numeric parameter, to each other choice of an unordered one; then each numeric step again
+    with every parameter it ``moves_with`` moved one step its way too. Values outside the
+    declared choices (a vLLM tuned-file config) stay as they are."""
+    by_name = {p.name: p for p in kernel.params}
+
+    def step(name: str, values: dict[str, Any], way: int) -> dict[str, Any] | None:
+        p = by_name[name]
+        if values.get(name) not in p.choices:
+            return None
+        j = p.choices.index(values[name]) + way
+        return values | {name: p.choices[j]} if 0 <= j < len(p.choices) else None
+
+    moves, paired = [], []
     for p in kernel.params:
         value = params.get(p.name)
         if value not in p.choices:
             continue
-        i = p.choices.index(value)
-        numeric = all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in p.choices)
-        steps = (i - 1, i + 1) if numeric else range(len(p.choices))
-        moves += [params | {p.name: p.choices[j]} for j in steps
-                  if 0 <= j < len(p.choices) and j != i]
-    return moves
+        if not all(isinstance(c, (int, float)) and not isinstance(c, bool) for c in p.choices):
+            moves += [params | {p.name: c} for c in p.choices if c != value]
+            continue
+        for way in (-1, 1):
+            moved = step(p.name, params, way)
+            if moved is None:
+                continue
+            moves.append(moved)
+            paired += [both for other, sign in p.moves_with
+                       if (both := step(other, moved, way * sign)) is not None]
+    return moves + paired
 
 
 def _variants(problem: MoEProblem, sku: SKU, names: list[str]) -> list[RuleChoice]:

@@ -74,12 +74,16 @@ class Param:
     """One tunable parameter: the values the search samples, and values also accepted when
     given (``extra``: a config another tool chose, like vLLM's tuned files, that the search
     need not explore). ``default``: for a parameter a kernel gained after tables were written,
-    the value its older rows ran at, which they are served at; None: every row gives it."""
+    the value its older rows ran at, which they are served at; None: every row gives it.
+    ``moves_with``: parameters the local search also moves one step along with this one, as
+    (name, +1 the same way or -1 the other way): a tile grown only pays with more warps to
+    compute it, which no move of one parameter at a time reaches."""
 
     name: str
     choices: tuple[Any, ...]
     extra: tuple[Any, ...] = ()
     default: Any = None
+    moves_with: tuple[tuple[str, int], ...] = ()
 
 
 class BaseKernel(abc.ABC):
