@@ -76,6 +76,22 @@ def _weight_tile(w_desc, w_ptrs, expert, first_n, first_k, mask, BLOCK_N: tl.con
 
 
 @triton.jit
+def _block_scaled(acc, a, w, a_scale, s_ptr, first_n, offs_n, mask_n, stride_sn,
+                  ONE_BLOCK: tl.constexpr):
+    """``acc`` plus one K step's ``a @ w`` under block-fp8 scales: the activation's per row
+    (``a_scale``) and the weight's per 128x128 block (``s_ptr``: the step's block column).
+    ``ONE_BLOCK``: the tile's columns ``first_n``.. lie in one 128-row block, so its weight
+    scale is one number and the step costs one multiply-add per element, not two multiplies and
+    an add with a vector load of scales."""
+    if ONE_BLOCK:
+        scale = a_scale * tl.load(s_ptr + (first_n // 128) * stride_sn)
+        return acc + tl.dot(a, w) * scale[:, None]
+    else:
+        w_scale = tl.load(s_ptr + (offs_n // 128) * stride_sn, mask=mask_n, other=0.0)
+        return acc + tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+
+
+@triton.jit
 def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
     """This program's rows of the (rows, cols) matrix at ``ptr`` (row stride ``stride``) set to
     zero: row r falls to program r mod the grid. A division per element instead made the layer
@@ -97,7 +113,7 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
-               ZERO: tl.constexpr):
+               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr):
     if ZERO:  # GEMM2 adds into this buffer
         _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
@@ -126,18 +142,17 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
         if QUANT == 3:  # block scales: this K step lies in one 128-column block
             group = (k * BLOCK_K) // 128
             a_scale = tl.load(xs_ptr + token * stride_xsm + group, mask=valid, other=0.0)
-            w_scale = tl.load(s_base + (offs_n // 128) * stride_sn + group * stride_sk,
-                              mask=mask_n, other=0.0)
-            acc_gate += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+            acc_gate = _block_scaled(acc_gate, a, w, a_scale, s_base + group * stride_sk,
+                                     pid_n * BLOCK_N, offs_n, mask_n, stride_sn, ONE_BLOCK)
         else:
             acc_gate = tl.dot(a, w, acc_gate)
         if GATED:
             w = _weight_tile(w_desc, up_ptrs, expert, I + pid_n * BLOCK_N, k * BLOCK_K,
                              mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
             if QUANT == 3:
-                w_scale = tl.load(s_base + ((I + offs_n) // 128) * stride_sn + group * stride_sk,
-                                  mask=mask_n, other=0.0)
-                acc_up += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+                acc_up = _block_scaled(acc_up, a, w, a_scale, s_base + group * stride_sk,
+                                       I + pid_n * BLOCK_N, I + offs_n, mask_n, stride_sn,
+                                       ONE_BLOCK)
             else:
                 acc_up = tl.dot(a, w, acc_up)
         a_ptrs += BLOCK_K
@@ -175,7 +190,7 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
                   TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
-                  W_TMA: tl.constexpr):
+                  W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
@@ -201,9 +216,8 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
             if QUANT == 3:
                 group = (k * BLOCK_K) // 128
                 a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
-                w_scale = tl.load(s_base + (offs_n // 128) * stride_sn + group * stride_sk,
-                                  mask=mask_n, other=0.0)
-                acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+                acc = _block_scaled(acc, a, w, a_scale, s_base + group * stride_sk,
+                                    pid_n * BLOCK_N, offs_n, mask_n, stride_sn, ONE_BLOCK)
             else:
                 acc = tl.dot(a, w, acc)
             a_ptrs += BLOCK_K
@@ -229,9 +243,8 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
             if QUANT == 3:
                 group = (k * BLOCK_K) // 128
                 a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
-                w_scale = tl.load(s_base + (offs_n // 128) * stride_sn + group * stride_sk,
-                                  mask=mask_n, other=0.0)
-                acc += tl.dot(a, w) * a_scale[:, None] * w_scale[None, :]
+                acc = _block_scaled(acc, a, w, a_scale, s_base + group * stride_sk, first_n,
+                                    offs_n, mask_n, stride_sn, ONE_BLOCK)
             else:
                 acc = tl.dot(a, w, acc)
             if k == k_steps - 1:
@@ -275,6 +288,12 @@ def weight_descriptor(w: torch.Tensor, config: dict[str, int]) -> Any:
                             [1, config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]])
 
 
+def one_block(config: dict[str, int], offset: int) -> bool:
+    """Whether every tile of ``config``'s columns, also shifted by ``offset`` (GEMM1's up rows
+    start at I), lies inside one 128-row block of block-fp8 weight scales."""
+    return SCALE_BLOCK % config["BLOCK_SIZE_N"] == 0 and offset % SCALE_BLOCK == 0
+
+
 def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
     """The prepared call (``moetune_grouped``'s parameter names): routing once per distinct
     BLOCK_SIZE_M, activation quantization for fp8, both GEMMs, and the reduce
@@ -292,6 +311,8 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     on_input = problem.router_weight_on_input
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
     w_tma = params["W_TMA"]
+    one_block1 = quant == QUANT_BLOCK and one_block(config1, inter * problem.gated)
+    one_block2 = quant == QUANT_BLOCK and one_block(config2, 0)
     d13 = weight_descriptor(w13, config1) if w_tma else w13
     d2 = weight_descriptor(w2, config2) if w_tma else w2
     if problem.topk == 1:
@@ -341,7 +362,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
             BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
             BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
-            ZERO=mode == ATOMIC, num_warps=config1["num_warps"],
+            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, num_warps=config1["num_warps"],
             num_stages=config1["num_stages"])
         hq, hs = quantize(h)
         rows2 = routing2.sorted_token_ids.numel()
@@ -352,7 +373,8 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
             BLOCK_N=config2["BLOCK_SIZE_N"], BLOCK_K=config2["BLOCK_SIZE_K"],
             GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, W_TMA=w_tma,
-            num_warps=config2["num_warps"], num_stages=config2["num_stages"])
+            ONE_BLOCK=one_block2, num_warps=config2["num_warps"],
+            num_stages=config2["num_stages"])
         if buffer == "rows":
             torch.sum(target.view(m, topk, hidden), dim=1, out=out)
         elif buffer == "float32":
