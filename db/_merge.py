@@ -110,8 +110,13 @@ def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
        median lies within the other's ``[p20_us, p80_us]``, the winner from the run that
        started later wins. The times cannot tell the two apart, and the newer run measured
        the newer software.
-    2. *Faster median wins*: otherwise the lower ``median_us`` wins.
-    3. *Exact tie*: equal medians from runs started at the same time keep ``a``.
+    2. *Higher speedup over the same rule pick wins*: where both rows were timed against the
+       same rule kernel and params, each side by side in its own run, the higher ``speedup``
+       wins. The ratio cancels what drifts between machines and days (the same H200 timed
+       vLLM's pick at Mixtral-8x7B's 4096 tokens 1.4% faster two days later, so every row of
+       the later run looked faster by its median alone).
+    3. *Faster median wins*: otherwise the lower ``median_us`` wins.
+    4. *Exact tie*: equal medians from runs started at the same time keep ``a``.
 
     Identical winners (same kernel, params and times) are not reported as conflicts.
 
@@ -230,6 +235,10 @@ def _choose(a: _Candidate, b: _Candidate) -> tuple[_Candidate, str | None]:
     if tied and a.started_at != b.started_at:
         newer = a if a.started_at > b.started_at else b
         return newer, "newer run; medians within each other's p20-p80 spread"
+    same_rule = (wa.baseline_kernel, wa.baseline_params) == (wb.baseline_kernel, wb.baseline_params)
+    if same_rule and wa.speedup and wb.speedup and wa.speedup != wb.speedup:
+        reason = "higher speedup over the same rule pick"
+        return (a, reason) if wa.speedup > wb.speedup else (b, reason)
     if wa.median_us != wb.median_us:
         return (a, "faster median") if wa.median_us < wb.median_us else (b, "faster median")
     return a, "equal medians from runs started together; kept a"

@@ -49,6 +49,7 @@ def tune(
     median: float = 10.0,
     spread: float = 1.0,
     baseline: float = 15.0,
+    rule_params: dict[str, Any] | None = None,
     sku: tuple = H200,
     failed_trials: int = 1,
 ) -> None:
@@ -67,5 +68,5 @@ def tune(
             add_measurement(session, run, bucket, kernel, {**params, "BLOCK_M": 1024 + i}, None,
                             None, None, 0, None, MeasurementStatus.FAILED, "out of resources")
         set_winner(session, sku_row, bucket, run, kernel, params, median, median - spread,
-                   median + spread, 1e-3, "rule", {}, baseline)
+                   median + spread, 1e-3, "rule", rule_params or {}, baseline)
         finish_run(session, run, RunStatus.FINISHED)

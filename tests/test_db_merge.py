@@ -80,7 +80,8 @@ def test_merge_takes_the_union(tmp_path):
 
 def test_merge_faster_median_wins_when_times_differ_beyond_their_spread(tmp_path):
     a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
-    tune(a, kernel="fast_old", median=10.0, spread=0.5)
+    # Timed against different rule picks (vLLM's tuned file changed): no common ratio.
+    tune(a, kernel="fast_old", median=10.0, spread=0.5, rule_params={"BLOCK_SIZE_M": 16})
     tune(b, kernel="slow_new", median=12.0, spread=0.5)  # newer run, clearly slower
     report = merge_tables(a, b, out, check=None)
     [conflict] = report.conflicts
@@ -105,9 +106,22 @@ def test_merge_newer_run_wins_a_statistical_tie_even_when_slightly_slower(tmp_pa
     assert _winners(out) == {("H200", 64): ("new", 10.5)}
 
 
+def test_merge_higher_speedup_over_the_same_rule_wins_over_a_faster_median(tmp_path):
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    # b ran on a slower day: its median is slower, but it beat the same rule pick by more.
+    tune(a, kernel="fast_day", median=10.0, spread=0.5, baseline=11.0)  # 1.10x
+    tune(b, kernel="better", median=12.0, spread=0.5, baseline=18.0)  # 1.50x
+    [conflict] = merge_tables(a, b, out, check=None).conflicts
+    assert (conflict.winner, conflict.reason) == ("b", "higher speedup over the same rule pick")
+    assert _winners(out) == {("H200", 64): ("better", 12.0)}
+    assert merge_tables(b, a, out, check=None).conflicts[0].winner == "a"  # symmetric
+    assert _winners(out) == {("H200", 64): ("better", 12.0)}
+
+
 def test_merge_spread_must_contain_both_medians(tmp_path):
     a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
-    tune(a, kernel="old_wide", median=10.0, spread=3.0)  # 12 lies within a's spread...
+    tune(a, kernel="old_wide", median=10.0, spread=3.0,  # 12 lies within a's spread...
+         rule_params={"BLOCK_SIZE_M": 16})
     tune(b, kernel="new_tight", median=12.0, spread=0.5)  # ...but 10 not within b's
     assert merge_tables(a, b, out, check=None).conflicts[0].reason == "faster median"
     assert _winners(out) == {("H200", 64): ("old_wide", 10.0)}
