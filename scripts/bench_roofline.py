@@ -1,7 +1,8 @@
 """How far the tuned winners, every kernel family's best and vLLM's pick are from the roofline,
 per preset and num_tokens bucket, read from a tuning table (no GPU needed).
 
-Usage: python scripts/bench_roofline.py TABLE [--configs DIR] [--ceilings hbm_tbps=..,...]
+Usage: python scripts/bench_roofline.py TABLE [--configs DIR] [--ceilings hbm_tbps=..,...
+           [--ceilings-for-every-run]]
            [--presets mixtral-8x7b,qwen3-30b-a3b,...] > roofline.md
 
 ``TABLE`` is what ``moetune tune --device cuda`` wrote: its winner rows, with the rule each was
@@ -12,7 +13,8 @@ measured matmul rate of the layer's GEMM dtype), the rule's time, each family's 
 the winner and the fractions of the roofline (the larger floor) reached. Family bests are
 search timings (a few repetitions, inputs rotated); the winner and the rule are the
 confirmation's medians. ``--configs``: vLLM's tuned-config folder, so the rule is vLLM's pick
-for the shape and GPU; ``--ceilings``: for runs that recorded none.
+for the shape and GPU; ``--ceilings``: for runs that recorded none, or with
+``--ceilings-for-every-run`` for all (one floor across runs of different days).
 """
 
 from __future__ import annotations
@@ -33,6 +35,9 @@ def main() -> None:
     parser.add_argument("--configs", help="vLLM's tuned-config folder (the CUDA rule)")
     parser.add_argument("--ceilings", help="for runs that recorded none, e.g. "
                         "hbm_tbps=4.28,bf16_tflops=774,fp8_tflops=1410")
+    parser.add_argument("--ceilings-for-every-run", action="store_true",
+                        help="--ceilings also for runs that measured their own: one floor for "
+                        "rows tuned on different days")
     parser.add_argument("--presets", default=DEFAULT_PRESETS)
     args = parser.parse_args()
     if args.configs:
@@ -40,7 +45,8 @@ def main() -> None:
     from moetune.tuner.report_data import load_report
     from moetune.tuner.roofline import parse_ceilings
 
-    report = load_report(args.table, parse_ceilings(args.ceilings) if args.ceilings else None)
+    report = load_report(args.table, parse_ceilings(args.ceilings) if args.ceilings else None,
+                         every_run=args.ceilings_for_every_run)
     wanted = args.presets.split(",")
     shapes = sorted((s for s in report.shapes if s.preset in wanted),
                     key=lambda s: wanted.index(s.preset))

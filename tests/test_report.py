@@ -21,7 +21,7 @@ from moetune.runtime.rules import rule_variants
 from moetune.tuner.cli import app
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.presets import preset
-from moetune.tuner.report_data import shape_label
+from moetune.tuner.report_data import load_report, shape_label
 from moetune.tuner.roofline import Ceilings, expert_bytes, floors_us, parse_ceilings
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -232,6 +232,16 @@ def test_ceilings_from_the_command_line_fill_runs_that_recorded_none(table, tmp_
     assert "a &lt;data&gt; sheet" in page
     tiny = _rows(parsed, f"roofline-{_slug(TINY.problem(1))}")[1]
     assert float(tiny[0][1]) == floors_us(TINY.problem(1), CEILINGS).hbm_us  # recorded wins
+
+
+def test_given_ceilings_for_every_run_replace_the_recorded_ones(table):
+    given = parse_ceilings("hbm_tbps=0.1,bf16_tflops=3")
+    recorded = {v.row.bucket["num_tokens"]: v for s in load_report(table, given).shapes
+                for v in s.buckets if s.label == shape_label(TINY.problem(1).to_row())}
+    shared = {v.row.bucket["num_tokens"]: v for s in load_report(table, given, every_run=True)
+              .shapes for v in s.buckets if s.label == shape_label(TINY.problem(1).to_row())}
+    assert recorded[1].floors == floors_us(TINY.problem(1), CEILINGS)
+    assert shared[1].floors == floors_us(TINY.problem(1), given) != recorded[1].floors
 
 
 @pytest.mark.parametrize("text, message", [
