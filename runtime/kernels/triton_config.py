@@ -40,7 +40,9 @@ _DTYPE_BYTES = {DType.FLOAT32: 4, DType.FLOAT16: 2, DType.BFLOAT16: 2}
 #: Moves the local search makes together (``Param.moves_with``): a taller or wider tile with one
 #: step more warps (or fewer, shrinking), a deeper K step with one pipeline stage less. At
 #: DeepSeek-V3's 2048-4096 tokens every measured climb stayed at vLLM's 64x64 GEMM1 tiles and 4
-#: warps, where a 128-row tile alone was slower.
+#: warps, where a 128-row tile alone was slower. On the H200 the coupled moves then found no
+#: faster tiles there either (bench/results/scales-h200-2026-12-03): they make the climb's
+#: answer "no neighbour gains" hold for these pairs, at about four evaluations per GEMM a step.
 MOVES_WITH: dict[str, tuple[tuple[str, int], ...]] = {
     "BLOCK_SIZE_M": (("num_warps", 1),),
     "BLOCK_SIZE_N": (("num_warps", 1),),
