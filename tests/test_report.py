@@ -232,6 +232,11 @@ def test_ceilings_from_the_command_line_fill_runs_that_recorded_none(table, tmp_
     assert "a &lt;data&gt; sheet" in page
     tiny = _rows(parsed, f"roofline-{_slug(TINY.problem(1))}")[1]
     assert float(tiny[0][1]) == floors_us(TINY.problem(1), CEILINGS).hbm_us  # recorded wins
+    page, parsed = _render(table, tmp_path / "all", "--ceilings", "hbm_tbps=0.1,bf16_tflops=3",
+                           "--ceilings-for-every-run")
+    tiny = _rows(parsed, f"roofline-{_slug(TINY.problem(1))}")[1]
+    assert float(tiny[0][1]) == floors_us(TINY.problem(1), given).hbm_us  # given wins
+    assert "given on the command line, for every run" in page
 
 
 def test_given_ceilings_for_every_run_replace_the_recorded_ones(table):

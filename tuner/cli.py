@@ -316,6 +316,9 @@ def report_(
         "hbm_tbps=4.28,bf16_tflops=774[,fp8_tflops=1410]")] = None,
     ceilings_from: Annotated[Optional[str], typer.Option(
         help="Where --ceilings come from (a benchmark, a data sheet), said on the page")] = None,
+    ceilings_for_every_run: Annotated[bool, typer.Option(
+        help="--ceilings also for the runs that measured their own: one floor for rows tuned "
+        "on different days")] = False,
 ) -> None:
     """Write an HTML page with figures of a table: speedup over the rule per bucket, time
     against the HBM and compute floors, which kernel family wins where, how the search
@@ -323,5 +326,6 @@ def report_(
     from moetune.tuner import report_page, roofline  # matplotlib loads for this command only
 
     given = roofline.parse_ceilings(ceilings) if ceilings else None
-    page = report_page.write_report(table, output, given, ceilings_from)
+    page = report_page.write_report(table, output, given, ceilings_from,
+                                    every_run=ceilings_for_every_run)
     out.print(f"report of {table} -> {page}", highlight=False)

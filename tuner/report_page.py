@@ -40,7 +40,7 @@ nav a{margin-right:1em}.nw{white-space:nowrap}
 
 
 def write_report(table: str | Path, output: Path, ceilings: Ceilings | None = None,
-                 ceilings_from: str | None = None) -> Path:
+                 ceilings_from: str | None = None, *, every_run: bool = False) -> Path:
     """Render the report of ``table`` into ``output`` (created if missing); returns the page.
 
     Args:
@@ -48,12 +48,13 @@ def write_report(table: str | Path, output: Path, ceilings: Ceilings | None = No
         output: Folder for ``index.html`` and its PNGs.
         ceilings: Ceilings for runs that recorded none (``--ceilings``).
         ceilings_from: Where ``ceilings`` come from, said on the page.
+        every_run: ``ceilings`` for every run, also those that measured their own.
 
     Raises:
         TableError: The table cannot be read.
         FormatError: ``output`` cannot be written.
     """
-    data = load_report(table, ceilings)
+    data = load_report(table, ceilings, every_run=every_run)
     try:
         output.mkdir(parents=True, exist_ok=True)
         figures = draw_figures(data, output)
