@@ -25,6 +25,8 @@ fp8 weight tile is converted to the activations' dtype after its load (times its
 for block fp8, where the scale changes along K; per-expert and per-row scales wait for the
 epilogue), so the activations stay unquantized, no quantization launch precedes either GEMM,
 and ``tl.dot`` accumulates across K steps instead of every block-fp8 step scaling its own dot.
+The GEMM is then computed transposed (weight rows x pairs): Hopper's wgmma takes its first
+operand from registers, where the converted tile is, but its second only from shared memory.
 
 ``INTERPRET`` records whether Triton's CPU interpreter was on when these kernels were defined.
 """
@@ -112,6 +114,26 @@ def _dequantized(w, s_ptr, first_n, offs_n, mask_n, stride_sn, dtype: tl.constex
 
 
 @triton.jit
+def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):
+    """A float32 accumulator of a (BLOCK_M pairs, BLOCK_N columns) tile: transposed where
+    ``DEQUANT`` computes weight rows x pairs."""
+    if DEQUANT:
+        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _dequant_dot(acc, a, w, s_ptr, first_n, offs_n, mask_n, stride_sn, QUANT: tl.constexpr,
+                 ONE_BLOCK: tl.constexpr):
+    """The transposed accumulator ``acc`` plus ``(a @ w).T``, ``w`` dequantized to ``a``'s
+    dtype: the converted weights are the dot's first operand, which wgmma reads from registers
+    (as its second operand it would take a trip through shared memory or the older mma)."""
+    w = _dequantized(w, s_ptr, first_n, offs_n, mask_n, stride_sn, a.dtype, QUANT, ONE_BLOCK)
+    return tl.dot(tl.trans(w), tl.trans(a), acc)
+
+
+@triton.jit
 def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
     """This program's rows of the (rows, cols) matrix at ``ptr`` (row stride ``stride``) set to
     zero: row r falls to program r mod the grid. A division per element instead made the layer
@@ -152,8 +174,8 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
                  + offs_k[:, None] * stride_wk)
     up_ptrs = gate_ptrs + I * stride_wn
     s_base = s_ptr + expert * stride_se
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_gate = _zeros(BLOCK_M, BLOCK_N, DEQUANT)
+    acc_up = _zeros(BLOCK_M, BLOCK_N, DEQUANT)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         mask_k = offs_k < H - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
@@ -162,8 +184,8 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
         group = (k * BLOCK_K) // 128  # block fp8: this K step lies in one 128-column block
         s_step = s_base + group * stride_sk
         if DEQUANT:
-            acc_gate = tl.dot(a, _dequantized(w, s_step, pid_n * BLOCK_N, offs_n, mask_n,
-                                              stride_sn, a.dtype, QUANT, ONE_BLOCK), acc_gate)
+            acc_gate = _dequant_dot(acc_gate, a, w, s_step, pid_n * BLOCK_N, offs_n, mask_n,
+                                    stride_sn, QUANT, ONE_BLOCK)
         elif QUANT == 3:
             a_scale = tl.load(xs_ptr + token * stride_xsm + group, mask=valid, other=0.0)
             acc_gate = _block_scaled(acc_gate, a, w, a_scale, s_step, pid_n * BLOCK_N, offs_n,
@@ -174,9 +196,8 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
             w = _weight_tile(w_desc, up_ptrs, expert, I + pid_n * BLOCK_N, k * BLOCK_K,
                              mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
             if DEQUANT:
-                acc_up = tl.dot(a, _dequantized(w, s_step, I + pid_n * BLOCK_N, I + offs_n,
-                                                mask_n, stride_sn, a.dtype, QUANT, ONE_BLOCK),
-                                acc_up)
+                acc_up = _dequant_dot(acc_up, a, w, s_step, I + pid_n * BLOCK_N, I + offs_n,
+                                      mask_n, stride_sn, QUANT, ONE_BLOCK)
             elif QUANT == 3:
                 acc_up = _block_scaled(acc_up, a, w, a_scale, s_step, I + pid_n * BLOCK_N,
                                        I + offs_n, mask_n, stride_sn, ONE_BLOCK)
@@ -185,6 +206,9 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
+    if DEQUANT:  # back to (pairs, columns)
+        acc_gate = tl.trans(acc_gate)
+        acc_up = tl.trans(acc_up)
     if (QUANT == 1 or QUANT == 2) and not DEQUANT:  # per-token activation scales
         row_scale = tl.load(xs_ptr + token * stride_xsm, mask=valid, other=0.0)
         acc_gate *= row_scale[:, None]
@@ -229,7 +253,7 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc = _zeros(BLOCK_M, BLOCK_N, DEQUANT)
     if N_TILES == 1:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
@@ -271,17 +295,18 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
                 _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm,
                                 s_base, stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT,
                                 MUL_WEIGHT, MODE, DEQUANT)
-                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+                acc = _zeros(BLOCK_M, BLOCK_N, DEQUANT)
 
 
 @triton.jit
 def _gemm2_step(acc, a, w, as_row_ptr, valid, s_ptr, first_n, offs_n, mask_n, stride_sn, group,
                 QUANT: tl.constexpr, ONE_BLOCK: tl.constexpr, DEQUANT: tl.constexpr):
-    """``acc`` plus one K step's ``a @ w``: ``w`` dequantized (``DEQUANT``), block-scaled with
-    the rows' activation scales of the step's ``group`` (``as_row_ptr``), or as it is."""
+    """``acc`` plus one K step's ``a @ w``: ``w`` dequantized (``DEQUANT``, ``acc``
+    transposed), block-scaled with the rows' activation scales of the step's ``group``
+    (``as_row_ptr``), or as it is."""
     if DEQUANT:
-        return tl.dot(a, _dequantized(w, s_ptr, first_n, offs_n, mask_n, stride_sn, a.dtype,
-                                      QUANT, ONE_BLOCK), acc)
+        return _dequant_dot(acc, a, w, s_ptr, first_n, offs_n, mask_n, stride_sn, QUANT,
+                            ONE_BLOCK)
     elif QUANT == 3:
         a_scale = tl.load(as_row_ptr + group, mask=valid, other=0.0)
         return _block_scaled(acc, a, w, a_scale, s_ptr, first_n, offs_n, mask_n, stride_sn,
@@ -295,7 +320,10 @@ def _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s
                     stride_sn, tw_ptr, out_ptr, stride_om, TOPK: tl.constexpr,
                     QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr, MODE: tl.constexpr,
                     DEQUANT: tl.constexpr):
-    """Scales, the router weight, and the tile's rows into the output (``MODE``)."""
+    """Scales, the router weight, and the tile's rows into the output (``MODE``); ``acc``
+    comes transposed where ``DEQUANT``."""
+    if DEQUANT:
+        acc = tl.trans(acc)
     if (QUANT == 1 or QUANT == 2) and not DEQUANT:
         acc *= tl.load(as_ptr + row * stride_asm, mask=valid, other=0.0)[:, None]
     if QUANT == 1:
