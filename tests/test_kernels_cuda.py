@@ -161,20 +161,14 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     scheme's epilogue once per tile; H = 200 leaves the second tile of each program part empty),
     and weight tiles through TMA descriptors, alone and with two tiles per GEMM2 program, where
     the rows are 16-byte aligned (H = 200 is not in fp8); block fp8 with tiles of 256 columns,
-    spanning two 128-row scale blocks (the default's lie in one); W8A16 (``DEQUANT=1``) for
-    every fp8 scheme in 16-bit activations, by pointers and through TMA, and with the wide
-    block-fp8 tiles."""
+    spanning two 128-row scale blocks (the default's lie in one)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
            for tiles in ({}, {"g2_N_TILES": 2})]
     wide = [(p, {"g1_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_K": 64})
             for p in _problems() if p.quant is QuantScheme.FP8_BLOCK_128X128]
-    dequant = [(p, {"DEQUANT": 1, **more}) for p in _problems()
-               if p.quant.is_fp8 and p.dtype.value != "float32"
-               for more in ({}, {"W_TMA": 1} if p.hidden_size % 16 == 0 else {"g2_N_TILES": 2})]
-    dequant += [(p, {**change, "DEQUANT": 1}) for p, change in wide if p.dtype.value != "float32"]
-    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + wide + dequant
+    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + wide
 
 
 @cuda

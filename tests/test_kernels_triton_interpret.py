@@ -373,47 +373,9 @@ GROUPED_CASES = [
 ]
 
 
-# W8A16 (DEQUANT=1) with fp8 weights emulated as above (float32 holding the fp8 values): every
-# scheme's scales, block fp8 with tiles inside one 128-row scale block and tiles of 256 columns
-# spanning two (H=I=256: the gate and up halves of W13 in different row blocks), through TMA
-# descriptors, several H tiles per GEMM2 program, top-1 with the router weight on the input.
-GROUPED_DEQUANT = [
-    (MoEProblem(5, 64, 48, 8, 2, dtype="float16", quant="fp8_per_tensor"), {}),
-    (MoEProblem(4, 64, 48, 8, 1, dtype="float16", quant="fp8_per_channel",
-                router_weight_on_input=True), {"W_TMA": 1}),
-    (MoEProblem(6, 64, 48, 8, 2, dtype="float16", quant="fp8_per_channel", gated=False,
-                activation="gelu"), {"REDUCE": "sum", "g2_N_TILES": 2}),
-    (MoEProblem(3, 256, 128, 4, 2, dtype="float16", quant="fp8_block_128x128"),
-     {"REDUCE": "atomic_out"}),
-    (MoEProblem(3, 256, 256, 4, 2, dtype="float16", quant="fp8_block_128x128"),
-     {"g1_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_N": 256, "W_TMA": 1}),
-]
-
-
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_grouped_checks_pass_in_a_fresh_process():
-    _checks_pass_in_a_fresh_process("MOETUNE_GROUPED_CHECKS", "grouped",
-                                    len(GROUPED_CASES) + len(GROUPED_DEQUANT) + 2)
-
-
-@grouped_interpreted
-@pytest.mark.parametrize("problem,override", GROUPED_DEQUANT, ids=_case_id)
-def test_grouped_dequantizes_fp8_weight_tiles_interpreted(problem, override, cpu_sku):
-    kernel = default_registry.get("moetune_grouped")
-    ok, why = kernel.supports(problem, cpu_sku)
-    assert not ok and "fp8" in why  # real fp8 weights are refused here
-    params = kernel.validate({**GROUPED, "DEQUANT": 1, **override})
-    assert kernel.check_params(problem, params) is None
-    weights = make_weights(problem, "cpu", seed=1)
-    weights.w13, weights.w2 = weights.w13.float(), weights.w2.float()
-    batch = make_batch(problem, "cpu", seed=2)
-    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
-    out = kernel.prepare(problem, params, weights)(*batch.args())
-    assert relative_error(out, ref) <= TOLERANCE["float16"]
-    for scale in ("w13_scale", "w2_scale"):  # each GEMM applies its own weights' scales
-        unscaled = dataclasses.replace(weights, **{scale: torch.ones_like(getattr(weights, scale))})
-        wrong = kernel.prepare(problem, params, unscaled)(*batch.args())
-        assert relative_error(wrong, ref) > 10 * TOLERANCE["float16"], scale
+    _checks_pass_in_a_fresh_process("MOETUNE_GROUPED_CHECKS", "grouped", len(GROUPED_CASES) + 2)
 
 
 @grouped_interpreted
@@ -504,15 +466,6 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (dataclasses.replace(qwen3, hidden_size=2040, quant="fp8_per_channel"), {"W_TMA": 1},
          "aligned"),
         (dataclasses.replace(qwen3, hidden_size=2040), {"W_TMA": 1}, None),
-        (qwen3, {"DEQUANT": 1}, "not fp8"),
-        (block, {"DEQUANT": 1}, None),
-        (dataclasses.replace(block, dtype="float32"), {"DEQUANT": 1}, "TF32"),
-        # W8A16 counts its tiles at 2 bytes: 4 x (64x128 + 2 x 128x128) x 2 B = 320 KiB does
-        # not fit, where W8A8's fp8 tiles (160 KiB) do.
-        (block, {"g1_BLOCK_SIZE_M": 64, "g1_BLOCK_SIZE_N": 128, "g1_BLOCK_SIZE_K": 128,
-                 "g1_num_stages": 4}, None),
-        (block, {"g1_BLOCK_SIZE_M": 64, "g1_BLOCK_SIZE_N": 128, "g1_BLOCK_SIZE_K": 128,
-                 "g1_num_stages": 4, "DEQUANT": 1}, "g1: needs"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

@@ -20,13 +20,7 @@ instead of pointers; the activation rows are gathered by routed pair either way.
 fp8 layers run W8A8 on fp8 tensor cores: activations are quantized per token (per 128-column
 group for block-fp8 weights) before each GEMM, and the epilogue applies the activation and
 weight scales (per expert, per output row, or per 128x128 block, where a K step lies inside one
-block column and each output column reads its row block's scale). Or W8A16 (``DEQUANT``): each
-fp8 weight tile is converted to the activations' dtype after its load (times its block's scale
-for block fp8, where the scale changes along K; per-expert and per-row scales wait for the
-epilogue), so the activations stay unquantized, no quantization launch precedes either GEMM,
-and ``tl.dot`` accumulates across K steps instead of every block-fp8 step scaling its own dot.
-The GEMM is then computed transposed (weight rows x pairs): Hopper's wgmma takes its first
-operand from registers, where the converted tile is, but its second only from shared memory.
+block column and each output column reads its row block's scale).
 
 ``INTERPRET`` records whether Triton's CPU interpreter was on when these kernels were defined.
 """
@@ -98,42 +92,6 @@ def _block_scaled(acc, a, w, a_scale, s_ptr, first_n, offs_n, mask_n, stride_sn,
 
 
 @triton.jit
-def _dequantized(w, s_ptr, first_n, offs_n, mask_n, stride_sn, dtype: tl.constexpr,
-                 QUANT: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """The fp8 weight tile ``w`` in ``dtype``: for block fp8 times the scale of its block
-    (``s_ptr``: the K step's block column; one number where ``ONE_BLOCK``), else as stored (the
-    epilogue applies per-expert and per-row scales)."""
-    if QUANT == 3:
-        if ONE_BLOCK:
-            return (w.to(tl.float32) * tl.load(s_ptr + (first_n // 128) * stride_sn)).to(dtype)
-        else:
-            scale = tl.load(s_ptr + (offs_n // 128) * stride_sn, mask=mask_n, other=0.0)
-            return (w.to(tl.float32) * scale[None, :]).to(dtype)
-    else:
-        return w.to(dtype)
-
-
-@triton.jit
-def _zeros(BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DEQUANT: tl.constexpr):
-    """A float32 accumulator of a (BLOCK_M pairs, BLOCK_N columns) tile: transposed where
-    ``DEQUANT`` computes weight rows x pairs."""
-    if DEQUANT:
-        return tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    else:
-        return tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-
-
-@triton.jit
-def _dequant_dot(acc, a, w, s_ptr, first_n, offs_n, mask_n, stride_sn, QUANT: tl.constexpr,
-                 ONE_BLOCK: tl.constexpr):
-    """The transposed accumulator ``acc`` plus ``(a @ w).T``, ``w`` dequantized to ``a``'s
-    dtype: the converted weights are the dot's first operand, which wgmma reads from registers
-    (as its second operand it would take a trip through shared memory or the older mma)."""
-    w = _dequantized(w, s_ptr, first_n, offs_n, mask_n, stride_sn, a.dtype, QUANT, ONE_BLOCK)
-    return tl.dot(tl.trans(w), tl.trans(a), acc)
-
-
-@triton.jit
 def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
     """This program's rows of the (rows, cols) matrix at ``ptr`` (row stride ``stride``) set to
     zero: row r falls to program r mod the grid. A division per element instead made the layer
@@ -155,7 +113,7 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
-               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr, DEQUANT: tl.constexpr):
+               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr):
     if ZERO:  # GEMM2 adds into this buffer
         _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
@@ -174,42 +132,33 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
                  + offs_k[:, None] * stride_wk)
     up_ptrs = gate_ptrs + I * stride_wn
     s_base = s_ptr + expert * stride_se
-    acc_gate = _zeros(BLOCK_M, BLOCK_N, DEQUANT)
-    acc_up = _zeros(BLOCK_M, BLOCK_N, DEQUANT)
+    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         mask_k = offs_k < H - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = _weight_tile(w_desc, gate_ptrs, expert, pid_n * BLOCK_N, k * BLOCK_K,
                          mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
-        group = (k * BLOCK_K) // 128  # block fp8: this K step lies in one 128-column block
-        s_step = s_base + group * stride_sk
-        if DEQUANT:
-            acc_gate = _dequant_dot(acc_gate, a, w, s_step, pid_n * BLOCK_N, offs_n, mask_n,
-                                    stride_sn, QUANT, ONE_BLOCK)
-        elif QUANT == 3:
+        if QUANT == 3:  # block scales: this K step lies in one 128-column block
+            group = (k * BLOCK_K) // 128
             a_scale = tl.load(xs_ptr + token * stride_xsm + group, mask=valid, other=0.0)
-            acc_gate = _block_scaled(acc_gate, a, w, a_scale, s_step, pid_n * BLOCK_N, offs_n,
-                                     mask_n, stride_sn, ONE_BLOCK)
+            acc_gate = _block_scaled(acc_gate, a, w, a_scale, s_base + group * stride_sk,
+                                     pid_n * BLOCK_N, offs_n, mask_n, stride_sn, ONE_BLOCK)
         else:
             acc_gate = tl.dot(a, w, acc_gate)
         if GATED:
             w = _weight_tile(w_desc, up_ptrs, expert, I + pid_n * BLOCK_N, k * BLOCK_K,
                              mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
-            if DEQUANT:
-                acc_up = _dequant_dot(acc_up, a, w, s_step, I + pid_n * BLOCK_N, I + offs_n,
-                                      mask_n, stride_sn, QUANT, ONE_BLOCK)
-            elif QUANT == 3:
-                acc_up = _block_scaled(acc_up, a, w, a_scale, s_step, I + pid_n * BLOCK_N,
-                                       I + offs_n, mask_n, stride_sn, ONE_BLOCK)
+            if QUANT == 3:
+                acc_up = _block_scaled(acc_up, a, w, a_scale, s_base + group * stride_sk,
+                                       I + pid_n * BLOCK_N, I + offs_n, mask_n, stride_sn,
+                                       ONE_BLOCK)
             else:
                 acc_up = tl.dot(a, w, acc_up)
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    if DEQUANT:  # back to (pairs, columns)
-        acc_gate = tl.trans(acc_gate)
-        acc_up = tl.trans(acc_up)
-    if (QUANT == 1 or QUANT == 2) and not DEQUANT:  # per-token activation scales
+    if QUANT == 1 or QUANT == 2:  # per-token activation scales
         row_scale = tl.load(xs_ptr + token * stride_xsm, mask=valid, other=0.0)
         acc_gate *= row_scale[:, None]
         acc_up *= row_scale[:, None]
@@ -241,7 +190,7 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
                   TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
-                  W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr, DEQUANT: tl.constexpr):
+                  W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
@@ -253,7 +202,7 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
     offs_k = tl.arange(0, BLOCK_K)
     w_base = w_ptr + expert * stride_we
     s_base = s_ptr + expert * stride_se
-    acc = _zeros(BLOCK_M, BLOCK_N, DEQUANT)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if N_TILES == 1:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < H
@@ -264,14 +213,17 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
             a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
             w = _weight_tile(w_desc, w_ptrs, expert, pid_n * BLOCK_N, k * BLOCK_K,
                              mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
-            acc = _gemm2_step(acc, a, w, as_ptr + row * stride_asm, valid,
-                              s_base + (k * BLOCK_K) // 128 * stride_sk, pid_n * BLOCK_N, offs_n,
-                              mask_n, stride_sn, (k * BLOCK_K) // 128, QUANT, ONE_BLOCK, DEQUANT)
+            if QUANT == 3:
+                group = (k * BLOCK_K) // 128
+                a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
+                acc = _block_scaled(acc, a, w, a_scale, s_base + group * stride_sk,
+                                    pid_n * BLOCK_N, offs_n, mask_n, stride_sn, ONE_BLOCK)
+            else:
+                acc = tl.dot(a, w, acc)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
         _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
-                        stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT, MUL_WEIGHT, MODE,
-                        DEQUANT)
+                        stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT, MUL_WEIGHT, MODE)
     else:
         # N_TILES column tiles in one loop over (tile, K step), so the pipeline keeps loading
         # across tiles: with I = 192-256 a tile has only 2-3 K steps to hide its loads behind.
@@ -288,43 +240,26 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
                              + (k * BLOCK_K + offs_k)[:, None] * stride_wk, expert, first_n,
                              k * BLOCK_K, mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K,
                              W_TMA)
-            acc = _gemm2_step(acc, a, w, as_ptr + row * stride_asm, valid,
-                              s_base + (k * BLOCK_K) // 128 * stride_sk, first_n, offs_n, mask_n,
-                              stride_sn, (k * BLOCK_K) // 128, QUANT, ONE_BLOCK, DEQUANT)
+            if QUANT == 3:
+                group = (k * BLOCK_K) // 128
+                a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
+                acc = _block_scaled(acc, a, w, a_scale, s_base + group * stride_sk, first_n,
+                                    offs_n, mask_n, stride_sn, ONE_BLOCK)
+            else:
+                acc = tl.dot(a, w, acc)
             if k == k_steps - 1:
                 _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm,
                                 s_base, stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT,
-                                MUL_WEIGHT, MODE, DEQUANT)
-                acc = _zeros(BLOCK_M, BLOCK_N, DEQUANT)
-
-
-@triton.jit
-def _gemm2_step(acc, a, w, as_row_ptr, valid, s_ptr, first_n, offs_n, mask_n, stride_sn, group,
-                QUANT: tl.constexpr, ONE_BLOCK: tl.constexpr, DEQUANT: tl.constexpr):
-    """``acc`` plus one K step's ``a @ w``: ``w`` dequantized (``DEQUANT``, ``acc``
-    transposed), block-scaled with the rows' activation scales of the step's ``group``
-    (``as_row_ptr``), or as it is."""
-    if DEQUANT:
-        return _dequant_dot(acc, a, w, s_ptr, first_n, offs_n, mask_n, stride_sn, QUANT,
-                            ONE_BLOCK)
-    elif QUANT == 3:
-        a_scale = tl.load(as_row_ptr + group, mask=valid, other=0.0)
-        return _block_scaled(acc, a, w, a_scale, s_ptr, first_n, offs_n, mask_n, stride_sn,
-                             ONE_BLOCK)
-    else:
-        return tl.dot(a, w, acc)
+                                MUL_WEIGHT, MODE)
+                acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
 
 
 @triton.jit
 def _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
                     stride_sn, tw_ptr, out_ptr, stride_om, TOPK: tl.constexpr,
-                    QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr, MODE: tl.constexpr,
-                    DEQUANT: tl.constexpr):
-    """Scales, the router weight, and the tile's rows into the output (``MODE``); ``acc``
-    comes transposed where ``DEQUANT``."""
-    if DEQUANT:
-        acc = tl.trans(acc)
-    if (QUANT == 1 or QUANT == 2) and not DEQUANT:
+                    QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr, MODE: tl.constexpr):
+    """Scales, the router weight, and the tile's rows into the output (``MODE``)."""
+    if QUANT == 1 or QUANT == 2:
         acc *= tl.load(as_ptr + row * stride_asm, mask=valid, other=0.0)[:, None]
     if QUANT == 1:
         acc *= tl.load(s_base)
@@ -375,7 +310,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
     on_input = problem.router_weight_on_input
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
-    w_tma, dequant = params["W_TMA"], params["DEQUANT"]
+    w_tma = params["W_TMA"]
     one_block1 = quant == QUANT_BLOCK and one_block(config1, inter * problem.gated)
     one_block2 = quant == QUANT_BLOCK and one_block(config2, 0)
     d13 = weight_descriptor(w13, config1) if w_tma else w13
@@ -390,7 +325,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
         mode, buffer = ATOMIC, "float32"
 
     def quantize(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if quant == QUANT_NONE or dequant:
+        if quant == QUANT_NONE:
             return a, a  # the scale pointer is never read
         return quantize_rows(a, group)
 
@@ -427,8 +362,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
             BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
             BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
-            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, DEQUANT=dequant,
-            num_warps=config1["num_warps"],
+            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, num_warps=config1["num_warps"],
             num_stages=config1["num_stages"])
         hq, hs = quantize(h)
         rows2 = routing2.sorted_token_ids.numel()
@@ -439,7 +373,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
             BLOCK_N=config2["BLOCK_SIZE_N"], BLOCK_K=config2["BLOCK_SIZE_K"],
             GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, W_TMA=w_tma,
-            ONE_BLOCK=one_block2, DEQUANT=dequant, num_warps=config2["num_warps"],
+            ONE_BLOCK=one_block2, num_warps=config2["num_warps"],
             num_stages=config2["num_stages"])
         if buffer == "rows":
             torch.sum(target.view(m, topk, hidden), dim=1, out=out)

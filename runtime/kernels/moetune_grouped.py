@@ -34,10 +34,6 @@ MIN_BLOCK_M = 16
 W_TMA = (0, 1)
 #: A TMA descriptor's row strides must be multiples of this many bytes.
 TMA_ALIGN = 16
-#: Whether fp8 layers run W8A16 (1: weight tiles dequantized to the activations' dtype in the
-#: kernel, bf16/fp16 tensor cores, no activation quantization) or W8A8 (0: activations quantized,
-#: fp8 tensor cores; what vLLM runs, and every row stored before this parameter existed).
-DEQUANT = (0, 1)
 #: Tiles of H one GEMM2 program computes in one pipelined loop (``_grouped``); 1 was the only
 #: value before this parameter existed.
 N_TILES = (1, 2, 4, 8)
@@ -50,18 +46,13 @@ class MoetuneGroupedKernel(OwnTritonKernel):
     name = "moetune_grouped"
     params = config_params("g1_") + config_params("g2_") + (
         Param("g2_N_TILES", N_TILES, default=1), Param("W_TMA", W_TMA, default=0),
-        Param("REDUCE", REDUCES), Param("DEQUANT", DEQUANT, default=0))
+        Param("REDUCE", REDUCES))
     kernels_module = "moetune.runtime.kernels._grouped"
 
     # --- parameters --------------------------------------------------------------------------
     @classmethod
     def check_params(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
-        if params["DEQUANT"]:
-            if not problem.quant.is_fp8:
-                return "DEQUANT=1: the weights are not fp8, there is nothing to dequantize"
-            if problem.dtype is DType.FLOAT32:
-                return "DEQUANT=1: float32 activations would run the GEMMs in TF32"
-        element = operand_bytes(problem, params["DEQUANT"])
+        element = operand_bytes(problem)
         for gemm, weight_tiles in (("g1", 2 if problem.gated else 1), ("g2", 1)):
             config = config_of(params, f"{gemm}_")
             block_m, block_n, block_k = (config["BLOCK_SIZE_M"], config["BLOCK_SIZE_N"],
@@ -86,7 +77,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
             if reason:
                 return f"W_TMA=1: {reason}"
             for name, size in (("H", problem.hidden_size), ("I", problem.intermediate_size)):
-                if size * operand_bytes(problem) % TMA_ALIGN:
+                if size * element % TMA_ALIGN:
                     return (f"W_TMA=1: weight rows of {name}={size} elements are not "
                             f"{TMA_ALIGN}-byte aligned")
         reduce = params["REDUCE"]
@@ -129,7 +120,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if problem.gated:
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
-        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "W_TMA": 0, "DEQUANT": 0}
+        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "W_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)

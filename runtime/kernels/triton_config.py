@@ -70,10 +70,9 @@ def with_prefix(config: dict[str, int], prefix: str) -> dict[str, int]:
     return {prefix + name: value for name, value in config.items()}
 
 
-def operand_bytes(problem: MoEProblem, dequant: bool = False) -> int:
-    """Bytes per element of the GEMM operands: fp8 schemes quantize activations too, unless
-    the kernel dequantizes the weight tiles to the activations' dtype instead (``dequant``)."""
-    return 1 if problem.quant.is_fp8 and not dequant else _DTYPE_BYTES[problem.dtype]
+def operand_bytes(problem: MoEProblem) -> int:
+    """Bytes per element of the GEMM operands: fp8 schemes quantize activations too."""
+    return 1 if problem.quant.is_fp8 else _DTYPE_BYTES[problem.dtype]
 
 
 @functools.cache
