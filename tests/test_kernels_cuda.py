@@ -308,11 +308,12 @@ DECODE_TOKENS = (1, 4, 16)
 
 
 def _decode_variants(problem: MoEProblem) -> list[dict]:
-    """The seed config and its reduce and split-K variants that the constraints keep."""
+    """The seed config and its reduce, split-K and prefetch variants that the constraints
+    keep."""
     kernel = default_registry.get("moetune_decode")
     seed = kernel.seed_params(problem, H200)
-    variants = [seed] + [dict(seed, SPLIT_K=s, REDUCE=r) for s in (1, 2, 4)
-                         for r in ("atomic", "atomic_out", "ordered")]
+    variants = [seed] + [dict(seed, SPLIT_K=s, REDUCE=r, PREFETCH=p) for s in (1, 2, 4)
+                         for r in ("atomic", "atomic_out", "ordered") for p in (0, 1)]
     unique = []
     for params in variants:
         if kernel.check_params(problem, params) is None and params not in unique:

@@ -152,7 +152,7 @@ decode_interpreted = pytest.mark.skipif(
     not DECODE_INTERPRETED, reason="runs inside test_decode_checks_pass_in_a_fresh_process")
 DECODE = {"g1_BLOCK_N": 16, "g1_BLOCK_K": 64, "g1_num_warps": 4, "g1_num_stages": 2,
           "g2_BLOCK_N": 32, "g2_BLOCK_K": 32, "g2_num_warps": 4, "g2_num_stages": 2,
-          "SPLIT_K": 1, "REDUCE": "atomic"}
+          "SPLIT_K": 1, "REDUCE": "atomic", "PREFETCH": 0}
 # (problem, overrides): float32/float16, gated or not, silu/gelu, top-1 (a direct store) and
 # top-k (each reduce), the router weight on the input, split-K on and off, and tails: H=72 and
 # I=40 are multiples of no tile here; I=100 leaves the last split 4 columns.
@@ -168,6 +168,14 @@ DECODE_CASES = [
      {"SPLIT_K": 2, "REDUCE": "atomic_out"}),
     (MoEProblem(2, 72, 100, 8, 2, dtype="float32"), {"SPLIT_K": 4, "g1_BLOCK_K": 128}),
     (MoEProblem(2, 72, 40, 8, 2, dtype="float16"), {"SPLIT_K": 2, "REDUCE": "ordered"}),
+    # The next weight tile loaded ahead: K tails (H=72 = 64 + 8 and H=160 = 2 x 64 + 32,
+    # splits of I=100 ending mid-tile) and exact fits (the prefetch past the end loads nothing).
+    (MoEProblem(2, 72, 100, 8, 2, dtype="float32"),
+     {"PREFETCH": 1, "SPLIT_K": 2, "g2_BLOCK_K": 32}),
+    (MoEProblem(3, 128, 64, 8, 2, dtype="float16", router_weight_on_input=True),
+     {"PREFETCH": 1, "REDUCE": "ordered"}),
+    (MoEProblem(3, 160, 40, 8, 1, dtype="float16", activation="gelu", gated=False),
+     {"PREFETCH": 1}),
 ]
 
 
@@ -230,6 +238,9 @@ FP8_EMULATED = [
     (MoEProblem(2, 256, 128, 4, 2, dtype="float32", quant="fp8_block_128x128"),
      {"g1_BLOCK_N": 32, "g1_BLOCK_K": 256, "g1_num_warps": 8, "g2_BLOCK_N": 64,
       "g2_BLOCK_K": 64, "g2_num_warps": 8}),
+    (MoEProblem(2, 256, 128, 4, 2, dtype="float32", quant="fp8_block_128x128"),
+     {"g1_BLOCK_N": 32, "g1_BLOCK_K": 64, "g1_num_warps": 8, "g2_BLOCK_N": 64,
+      "g2_BLOCK_K": 64, "g2_num_warps": 8, "PREFETCH": 1}),
     (MoEProblem(2, 256, 256, 4, 2, dtype="float32", quant="fp8_block_128x128"),
      {"g1_BLOCK_N": 64, "g1_BLOCK_K": 64, "g1_num_warps": 8, "g2_BLOCK_N": 128,
       "g2_BLOCK_K": 128, "g2_num_warps": 8, "SPLIT_K": 2, "REDUCE": "ordered"}),
