@@ -161,14 +161,17 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     scheme's epilogue once per tile; H = 200 leaves the second tile of each program part empty),
     and weight tiles through TMA descriptors, alone and with two tiles per GEMM2 program, where
     the rows are 16-byte aligned (H = 200 is not in fp8); block fp8 with tiles of 256 columns,
-    spanning two 128-row scale blocks (the default's lie in one)."""
+    spanning two 128-row scale blocks (the default's lie in one); gate and up in one dot for
+    every gated problem (and at the wide block-fp8 tiles: each column its own scale block)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
            for tiles in ({}, {"g2_N_TILES": 2})]
-    wide = [(p, {"g1_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_K": 64})
-            for p in _problems() if p.quant is QuantScheme.FP8_BLOCK_128X128]
-    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + wide
+    wide = [(p, {"g1_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_K": 64, **dot})
+            for p in _problems() if p.quant is QuantScheme.FP8_BLOCK_128X128
+            for dot in ({}, {"g1_ONE_DOT": 1, "W_TMA": 0})]
+    one_dot = [(p, {"g1_ONE_DOT": 1, "W_TMA": 0}) for p in _problems() if p.gated]
+    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + wide + one_dot
 
 
 @cuda
@@ -308,12 +311,11 @@ DECODE_TOKENS = (1, 4, 16)
 
 
 def _decode_variants(problem: MoEProblem) -> list[dict]:
-    """The seed config and its reduce, split-K and prefetch variants that the constraints
-    keep."""
+    """The seed config and its reduce and split-K variants that the constraints keep."""
     kernel = default_registry.get("moetune_decode")
     seed = kernel.seed_params(problem, H200)
-    variants = [seed] + [dict(seed, SPLIT_K=s, REDUCE=r, PREFETCH=p) for s in (1, 2, 4)
-                         for r in ("atomic", "atomic_out", "ordered") for p in (0, 1)]
+    variants = [seed] + [dict(seed, SPLIT_K=s, REDUCE=r) for s in (1, 2, 4)
+                         for r in ("atomic", "atomic_out", "ordered")]
     unique = []
     for params in variants:
         if kernel.check_params(problem, params) is None and params not in unique:

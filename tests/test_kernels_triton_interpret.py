@@ -152,7 +152,7 @@ decode_interpreted = pytest.mark.skipif(
     not DECODE_INTERPRETED, reason="runs inside test_decode_checks_pass_in_a_fresh_process")
 DECODE = {"g1_BLOCK_N": 16, "g1_BLOCK_K": 64, "g1_num_warps": 4, "g1_num_stages": 2,
           "g2_BLOCK_N": 32, "g2_BLOCK_K": 32, "g2_num_warps": 4, "g2_num_stages": 2,
-          "SPLIT_K": 1, "REDUCE": "atomic", "PREFETCH": 0}
+          "SPLIT_K": 1, "REDUCE": "atomic"}
 # (problem, overrides): float32/float16, gated or not, silu/gelu, top-1 (a direct store) and
 # top-k (each reduce), the router weight on the input, split-K on and off, and tails: H=72 and
 # I=40 are multiples of no tile here; I=100 leaves the last split 4 columns.
@@ -168,14 +168,6 @@ DECODE_CASES = [
      {"SPLIT_K": 2, "REDUCE": "atomic_out"}),
     (MoEProblem(2, 72, 100, 8, 2, dtype="float32"), {"SPLIT_K": 4, "g1_BLOCK_K": 128}),
     (MoEProblem(2, 72, 40, 8, 2, dtype="float16"), {"SPLIT_K": 2, "REDUCE": "ordered"}),
-    # The next weight tile loaded ahead: K tails (H=72 = 64 + 8 and H=160 = 2 x 64 + 32,
-    # splits of I=100 ending mid-tile) and exact fits (the prefetch past the end loads nothing).
-    (MoEProblem(2, 72, 100, 8, 2, dtype="float32"),
-     {"PREFETCH": 1, "SPLIT_K": 2, "g2_BLOCK_K": 32}),
-    (MoEProblem(3, 128, 64, 8, 2, dtype="float16", router_weight_on_input=True),
-     {"PREFETCH": 1, "REDUCE": "ordered"}),
-    (MoEProblem(3, 160, 40, 8, 1, dtype="float16", activation="gelu", gated=False),
-     {"PREFETCH": 1}),
 ]
 
 
@@ -238,9 +230,6 @@ FP8_EMULATED = [
     (MoEProblem(2, 256, 128, 4, 2, dtype="float32", quant="fp8_block_128x128"),
      {"g1_BLOCK_N": 32, "g1_BLOCK_K": 256, "g1_num_warps": 8, "g2_BLOCK_N": 64,
       "g2_BLOCK_K": 64, "g2_num_warps": 8}),
-    (MoEProblem(2, 256, 128, 4, 2, dtype="float32", quant="fp8_block_128x128"),
-     {"g1_BLOCK_N": 32, "g1_BLOCK_K": 64, "g1_num_warps": 8, "g2_BLOCK_N": 64,
-      "g2_BLOCK_K": 64, "g2_num_warps": 8, "PREFETCH": 1}),
     (MoEProblem(2, 256, 256, 4, 2, dtype="float32", quant="fp8_block_128x128"),
      {"g1_BLOCK_N": 64, "g1_BLOCK_K": 64, "g1_num_warps": 8, "g2_BLOCK_N": 128,
       "g2_BLOCK_K": 128, "g2_num_warps": 8, "SPLIT_K": 2, "REDUCE": "ordered"}),
@@ -363,7 +352,8 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # GEMM2 programs of several H tiles: H=72 in 3 tiles, 2 per program (the last half empty),
 # I=32 in one K step (every step ends a tile), and top-1's store. Weight tiles through TMA
 # descriptors: tiles past H and I (zeros from the descriptor, or the next rows of the weight,
-# whose columns are never stored), with each reduce, several H tiles, top-1 and ungated.
+# whose columns are never stored), with each reduce, several H tiles, top-1 and ungated. Gate
+# and up in one dot: I=40 and 48 end mid-tile (the masked rows of both halves), GELU, top-1.
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -381,6 +371,11 @@ GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"W_TMA": 1, "g2_N_TILES": 2, "REDUCE": "sum"}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True), {"W_TMA": 1}),
     (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu", gated=False), {"W_TMA": 1}),
+    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"), {"g1_ONE_DOT": 1, "REDUCE": "atomic_out"}),
+    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
+     {"g1_ONE_DOT": 1}),
+    (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu"),
+     {"g1_ONE_DOT": 1, "g1_GROUP_SIZE_M": 16, "g1_BLOCK_SIZE_N": 64}),
 ]
 
 
@@ -477,6 +472,10 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (dataclasses.replace(qwen3, hidden_size=2040, quant="fp8_per_channel"), {"W_TMA": 1},
          "aligned"),
         (dataclasses.replace(qwen3, hidden_size=2040), {"W_TMA": 1}, None),
+        (qwen3, {"g1_ONE_DOT": 1, "W_TMA": 0}, None),
+        (qwen3, {"g1_ONE_DOT": 1, "W_TMA": 1}, "TMA"),
+        (dataclasses.replace(qwen3, gated=False, activation="gelu"),
+         {"g1_ONE_DOT": 1, "W_TMA": 0}, "ungated"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

@@ -13,9 +13,6 @@ Each program owns one routed (token, slot) pair and reads its expert id straight
    to reduce), an atomic add into a float32 buffer or into the output itself, or a store of the
    partial into its own row (``_reduce_rows`` then sums the rows in a fixed order).
 
-Both loops can load the next K step's weight tile while multiplying the current one
-(``PREFETCH``): with a handful of programs per SM, that is what keeps HBM busy.
-
 fp8 weights are dequantized in registers (weight-only: activations stay in the compute dtype).
 Scales: per expert (``QUANT_TENSOR``), per output row (``QUANT_CHANNEL``) or per 128x128 block
 (``QUANT_BLOCK``). For blocks a tile's rows must lie in one 128-row block (``BLOCK_N`` divides
@@ -46,19 +43,12 @@ STORE, ATOMIC, PARTIAL = 0, 1, 2
 
 
 @triton.jit
-def _rows(ptrs, mask_n, offs_k, left):
-    """The weight tile at ``ptrs``: the rows under ``mask_n``, the columns ``offs_k`` below
-    ``left`` (none when ``left <= 0``, which loads nothing)."""
-    return tl.load(ptrs, mask=mask_n[:, None] & (offs_k < left)[None, :], other=0.0)
-
-
-@triton.jit
 def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
                H, I, stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
                stride_im, stride_ik, stride_tm, stride_tk, stride_hm, stride_zm,
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, ZERO: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pair // TOPK
@@ -83,35 +73,24 @@ def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
     up_block = (I + pid_n * BLOCK_N) // 128
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    if PREFETCH:
-        next_gate = _rows(gate_ptrs, mask_n, offs_k, H)
-        if GATED:
-            next_up = _rows(up_ptrs, mask_n, offs_k, H)
     for k in range(0, H, BLOCK_K):
         mask_k = offs_k < H - k
-        if PREFETCH:  # this chunk came in during the last one; start loading the next
-            w_gate = next_gate
-            next_gate = _rows(gate_ptrs + BLOCK_K * stride_wk, mask_n, offs_k, H - k - BLOCK_K)
-            if GATED:
-                w_up = next_up
-                next_up = _rows(up_ptrs + BLOCK_K * stride_wk, mask_n, offs_k, H - k - BLOCK_K)
-        else:
-            w_gate = _rows(gate_ptrs, mask_n, offs_k, H - k)
-            if GATED:
-                w_up = _rows(up_ptrs, mask_n, offs_k, H - k)
         x = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
+        mask = mask_n[:, None] & mask_k[None, :]
         x_gate = x
         if QUANT == 3:
             col_blocks = ((k + offs_k) // 128) * stride_sk
             x_gate = x * tl.load(s_base + gate_block * stride_sn + col_blocks, mask=mask_k,
                                  other=0.0)
-        acc_gate += w_gate.to(tl.float32) * x_gate[None, :]
+        w = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
+        acc_gate += w * x_gate[None, :]
         if GATED:
             x_up = x
             if QUANT == 3:
                 x_up = x * tl.load(s_base + up_block * stride_sn + col_blocks, mask=mask_k,
                                    other=0.0)
-            acc_up += w_up.to(tl.float32) * x_up[None, :]
+            w = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
+            acc_up += w * x_up[None, :]
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
         x_ptrs += BLOCK_K
@@ -145,7 +124,7 @@ def _gemm2_reduce(a_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
                   stride_om,
                   TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   MODE: tl.constexpr, SPLIT_K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -164,21 +143,14 @@ def _gemm2_reduce(a_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     s_base = s_ptr + expert * stride_se
     row_block = (pid_n * BLOCK_N) // 128
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    chunk = tl.arange(0, BLOCK_K)
-    if PREFETCH:
-        next_w = _rows(w_ptrs, mask_n, chunk, k_end - k_start)
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - (k - k_start)
-        if PREFETCH:
-            w = next_w
-            next_w = _rows(w_ptrs + BLOCK_K * stride_wk, mask_n, chunk, k_end - k - BLOCK_K)
-        else:
-            w = _rows(w_ptrs, mask_n, chunk, k_end - k)
         a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)
         if QUANT == 3:
             col_blocks = ((k - k_start + offs_k) // 128) * stride_sk
             a = a * tl.load(s_base + row_block * stride_sn + col_blocks, mask=mask_k, other=0.0)
-        acc += w.to(tl.float32) * a[None, :]
+        w = tl.load(w_ptrs, mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        acc += w * a[None, :]
         w_ptrs += BLOCK_K * stride_wk
         a_ptrs += BLOCK_K
     y = tl.sum(acc, 1)
@@ -224,7 +196,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     s2, s2_strides = scale_args(weights.w2_scale, w2, quant)
     bn1, bk1 = params["g1_BLOCK_N"], params["g1_BLOCK_K"]
     bn2, bk2 = params["g2_BLOCK_N"], params["g2_BLOCK_K"]
-    split, reduce, prefetch = params["SPLIT_K"], params["REDUCE"], params["PREFETCH"]
+    split, reduce = params["SPLIT_K"], params["REDUCE"]
     tiles1, tiles2 = triton.cdiv(inter, bn1), triton.cdiv(hidden, bn2)
     k_per_split = triton.cdiv(triton.cdiv(inter, bk2), split) * bk2
     zero_block = triton.next_power_of_2(triton.cdiv(hidden, tiles1))
@@ -261,12 +233,12 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             *w13.stride(), *s13_strides, *topk_ids.stride(), *topk_weights.stride(), h.stride(0),
             target.stride(0), TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant,
             ON_INPUT=on_input, ZERO=zero, ZERO_BLOCK=zero_block, BLOCK_N=bn1, BLOCK_K=bk1,
-            PREFETCH=prefetch, **launch1)
+            **launch1)
         _gemm2_reduce[(pairs, tiles2, split)](
             h, w2, s2, topk_ids, topk_weights, target, hidden, inter, k_per_split, h.stride(0),
             *w2.stride(), *s2_strides, *topk_ids.stride(), *topk_weights.stride(),
             target.stride(0), TOPK=topk, QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode,
-            SPLIT_K=split, BLOCK_N=bn2, BLOCK_K=bk2, PREFETCH=prefetch, **launch2)
+            SPLIT_K=split, BLOCK_N=bn2, BLOCK_K=bk2, **launch2)
         if buffer == "partial":
             _reduce_rows[(m, triton.cdiv(hidden, REDUCE_BLOCK))](
                 target, out, hidden, target.stride(0), out.stride(0), ROWS=topk * split,

@@ -28,11 +28,6 @@ MAX_ACC_PER_THREAD = 64
 #: the output itself (two launches in all; rounds each add to the output dtype); ``ordered``
 #: stores each partial in its own row and sums the rows in a fixed order (deterministic).
 REDUCES = ("atomic", "atomic_out", "ordered")
-#: Whether each K step loads the next step's weight tile before multiplying its own (held in
-#: registers: twice the bytes in flight per program). At 1-16 tokens a layer has too few
-#: programs to fill the GPU's memory pipeline otherwise: each waits out one load latency per
-#: step. 0 was the only behaviour before this parameter existed.
-PREFETCH = (0, 1)
 
 
 class MoetuneDecodeKernel(OwnTritonKernel):
@@ -51,7 +46,6 @@ class MoetuneDecodeKernel(OwnTritonKernel):
         Param("g2_num_stages", (1, 2, 3)),
         Param("SPLIT_K", (1, 2, 4)),
         Param("REDUCE", REDUCES),
-        Param("PREFETCH", PREFETCH, default=0),
     )
     kernels_module = "moetune.runtime.kernels._decode"
 
@@ -120,7 +114,7 @@ class MoetuneDecodeKernel(OwnTritonKernel):
                       64 if gpu else 128)
         seed = {"g1_BLOCK_N": n1, "g1_BLOCK_K": k1, "g1_num_warps": 4, "g1_num_stages": 2,
                 "g2_BLOCK_N": n2, "g2_BLOCK_K": k2, "g2_num_warps": 4, "g2_num_stages": 2,
-                "SPLIT_K": 1, "REDUCE": "atomic", "PREFETCH": 0}
+                "SPLIT_K": 1, "REDUCE": "atomic"}
         return seed if cls.check_params(problem, seed) is None else None
 
     # --- execution ---------------------------------------------------------------------------
