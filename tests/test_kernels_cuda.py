@@ -161,17 +161,14 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     scheme's epilogue once per tile; H = 200 leaves the second tile of each program part empty),
     and weight tiles through TMA descriptors, alone and with two tiles per GEMM2 program, where
     the rows are 16-byte aligned (H = 200 is not in fp8); block fp8 with tiles of 256 columns,
-    spanning two 128-row scale blocks (the default's lie in one); gate and up in one dot for
-    every gated problem (and at the wide block-fp8 tiles: each column its own scale block)."""
+    spanning two 128-row scale blocks (the default's lie in one)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
            for tiles in ({}, {"g2_N_TILES": 2})]
-    wide = [(p, {"g1_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_K": 64, **dot})
-            for p in _problems() if p.quant is QuantScheme.FP8_BLOCK_128X128
-            for dot in ({}, {"g1_ONE_DOT": 1, "W_TMA": 0})]
-    one_dot = [(p, {"g1_ONE_DOT": 1, "W_TMA": 0}) for p in _problems() if p.gated]
-    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + wide + one_dot
+    wide = [(p, {"g1_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_K": 64})
+            for p in _problems() if p.quant is QuantScheme.FP8_BLOCK_128X128]
+    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + wide
 
 
 @cuda

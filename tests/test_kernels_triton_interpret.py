@@ -168,6 +168,11 @@ DECODE_CASES = [
      {"SPLIT_K": 2, "REDUCE": "atomic_out"}),
     (MoEProblem(2, 72, 100, 8, 2, dtype="float32"), {"SPLIT_K": 4, "g1_BLOCK_K": 128}),
     (MoEProblem(2, 72, 40, 8, 2, dtype="float16"), {"SPLIT_K": 2, "REDUCE": "ordered"}),
+    # GEMM1 tiles of one and two rows of I (40 programs per pair; 20 with the zeroing spread
+    # over them).
+    (MoEProblem(2, 72, 40, 8, 2, dtype="float16"), {"g1_BLOCK_N": 1}),
+    (MoEProblem(2, 72, 40, 8, 1, dtype="float16", router_weight_on_input=True),
+     {"g1_BLOCK_N": 2, "SPLIT_K": 2, "REDUCE": "atomic_out"}),
 ]
 
 
@@ -352,8 +357,7 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # GEMM2 programs of several H tiles: H=72 in 3 tiles, 2 per program (the last half empty),
 # I=32 in one K step (every step ends a tile), and top-1's store. Weight tiles through TMA
 # descriptors: tiles past H and I (zeros from the descriptor, or the next rows of the weight,
-# whose columns are never stored), with each reduce, several H tiles, top-1 and ungated. Gate
-# and up in one dot: I=40 and 48 end mid-tile (the masked rows of both halves), GELU, top-1.
+# whose columns are never stored), with each reduce, several H tiles, top-1 and ungated.
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -371,11 +375,6 @@ GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"W_TMA": 1, "g2_N_TILES": 2, "REDUCE": "sum"}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True), {"W_TMA": 1}),
     (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu", gated=False), {"W_TMA": 1}),
-    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"), {"g1_ONE_DOT": 1, "REDUCE": "atomic_out"}),
-    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
-     {"g1_ONE_DOT": 1}),
-    (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu"),
-     {"g1_ONE_DOT": 1, "g1_GROUP_SIZE_M": 16, "g1_BLOCK_SIZE_N": 64}),
 ]
 
 
@@ -472,10 +471,6 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (dataclasses.replace(qwen3, hidden_size=2040, quant="fp8_per_channel"), {"W_TMA": 1},
          "aligned"),
         (dataclasses.replace(qwen3, hidden_size=2040), {"W_TMA": 1}, None),
-        (qwen3, {"g1_ONE_DOT": 1, "W_TMA": 0}, None),
-        (qwen3, {"g1_ONE_DOT": 1, "W_TMA": 1}, "TMA"),
-        (dataclasses.replace(qwen3, gated=False, activation="gelu"),
-         {"g1_ONE_DOT": 1, "W_TMA": 0}, "ungated"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

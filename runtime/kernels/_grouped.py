@@ -2,13 +2,11 @@
 pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no separate sum.
 
 1. ``_gemm1_act``: one program per (block of sorted pairs, tile of I). The gate and up tiles of
-   the block's expert are read once per K step and multiplied by the same activation tile: in
-   two ``tl.dot`` (two accumulators), or in one twice as wide over a tile of alternating gate
-   and up rows (``ONE_DOT``, as aiter's fused-SiLU kernel does). The epilogue applies the
-   scales, the router weight when it is on the input, the activation and the gate product, and
-   writes the activated intermediate (pairs, I). Where GEMM2 adds into its output, every GEMM1
-   program also zeroes a share of that output first (``ZERO``), so no fill launch precedes
-   GEMM2.
+   the block's expert are read once per K step and multiplied by the same activation tile (two
+   accumulators); the epilogue applies the scales, the router weight when it is on the input,
+   the activation and the gate product, and writes the activated intermediate (pairs, I).
+   Where GEMM2 adds into its output, every GEMM1 program also zeroes a share of that output
+   first (``ZERO``), so no fill launch precedes GEMM2.
 2. ``_gemm2_reduce``: one program per (block of sorted pairs, ``N_TILES`` tiles of H), the
    tiles in one loop over (tile, K step) so that loads stay in flight across tiles when I is
    short. The epilogue multiplies the router weight and adds each row into its token's output
@@ -108,17 +106,32 @@ def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_two_dots(a_ptrs, valid, token, xs_ptr, stride_xsm, w_ptr, w_desc, expert, s_base,
-                      H, I, pid_n, offs_n, mask_n, stride_we, stride_wn, stride_wk, stride_sn,
-                      stride_sk, GATED: tl.constexpr, QUANT: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """GEMM1's gate and up accumulators of one tile, each K step two ``tl.dot`` on the same
-    activation tile: one per weight tile (by pointers or through TMA)."""
+def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_ptr,
+               post_ptr, zero_ptr, zero_rows, zero_cols, zero_stride, H, I, pairs, num_rows,
+               stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+               stride_sk, stride_hm,
+               TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+               ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
+               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    if ZERO:  # GEMM2 adds into this buffer
+        _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
+    pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
+    if pid_m * BLOCK_M >= tl.load(post_ptr):
+        return
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    valid = pair < pairs
+    token = (pair // TOPK).to(tl.int64)
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
     gate_ptrs = (w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
                  + offs_k[:, None] * stride_wk)
     up_ptrs = gate_ptrs + I * stride_wn
+    s_base = s_ptr + expert * stride_se
     acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(H, BLOCK_K)):
@@ -145,75 +158,6 @@ def _gate_up_two_dots(a_ptrs, valid, token, xs_ptr, stride_xsm, w_ptr, w_desc, e
         a_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K * stride_wk
         up_ptrs += BLOCK_K * stride_wk
-    return acc_gate, acc_up
-
-
-@triton.jit
-def _gate_up_one_dot(a_ptrs, valid, token, xs_ptr, stride_xsm, w_base, s_base, H, I, first_n,
-                     stride_wn, stride_wk, stride_sn, stride_sk, QUANT: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """GEMM1's gate and up accumulators of one tile from one ``tl.dot`` per K step: the weight
-    tile gathers gate and up rows alternately (column 2j is gate row j, 2j + 1 up row j), so the
-    MMA is twice as wide, the activation tile is read from shared memory once, and the split
-    of the accumulator into its even and odd columns stays in each thread's registers. Weight
-    rows by pointers: a TMA descriptor loads one contiguous block of rows."""
-    offs_k = tl.arange(0, BLOCK_K)
-    lane = tl.arange(0, 2 * BLOCK_N)
-    col = first_n + lane // 2  # the column of the intermediate
-    rows = col + (lane % 2) * I  # its gate row, or its up row
-    mask_rows = col < I
-    w_ptrs = w_base + rows[None, :] * stride_wn + offs_k[:, None] * stride_wk
-    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        mask_k = offs_k < H - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=mask_k[:, None] & mask_rows[None, :], other=0.0)
-        if QUANT == 3:  # block scales: this K step lies in one 128-column block
-            group = (k * BLOCK_K) // 128
-            a_scale = tl.load(xs_ptr + token * stride_xsm + group, mask=valid, other=0.0)
-            acc = _block_scaled(acc, a, w, a_scale, s_base + group * stride_sk, first_n, rows,
-                                mask_rows, stride_sn, False)
-        else:
-            acc = tl.dot(a, w, acc)
-        a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K * stride_wk
-    return acc.reshape(BLOCK_M, BLOCK_N, 2).split()
-
-
-@triton.jit
-def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_ptr,
-               post_ptr, zero_ptr, zero_rows, zero_cols, zero_stride, H, I, pairs, num_rows,
-               stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-               stride_sk, stride_hm,
-               TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
-               ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-               BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
-               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr, ONE_DOT: tl.constexpr):
-    if ZERO:  # GEMM2 adds into this buffer
-        _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
-    pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(post_ptr):
-        return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < pairs
-    token = (pair // TOPK).to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-    s_base = s_ptr + expert * stride_se
-    if ONE_DOT:
-        acc_gate, acc_up = _gate_up_one_dot(
-            a_ptrs, valid, token, xs_ptr, stride_xsm, w_ptr + expert * stride_we, s_base, H, I,
-            pid_n * BLOCK_N, stride_wn, stride_wk, stride_sn, stride_sk, QUANT, BLOCK_M,
-            BLOCK_N, BLOCK_K)
-    else:
-        acc_gate, acc_up = _gate_up_two_dots(
-            a_ptrs, valid, token, xs_ptr, stride_xsm, w_ptr, w_desc, expert, s_base, H, I,
-            pid_n, offs_n, mask_n, stride_we, stride_wn, stride_wk, stride_sn, stride_sk,
-            GATED, QUANT, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
     if QUANT == 1 or QUANT == 2:  # per-token activation scales
         row_scale = tl.load(xs_ptr + token * stride_xsm, mask=valid, other=0.0)
         acc_gate *= row_scale[:, None]
@@ -366,7 +310,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
     on_input = problem.router_weight_on_input
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
-    w_tma, one_dot = params["W_TMA"], params["g1_ONE_DOT"]
+    w_tma = params["W_TMA"]
     one_block1 = quant == QUANT_BLOCK and one_block(config1, inter * problem.gated)
     one_block2 = quant == QUANT_BLOCK and one_block(config2, 0)
     d13 = weight_descriptor(w13, config1) if w_tma else w13
@@ -418,8 +362,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
             BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
             BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
-            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, ONE_DOT=one_dot,
-            num_warps=config1["num_warps"],
+            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, num_warps=config1["num_warps"],
             num_stages=config1["num_stages"])
         hq, hs = quantize(h)
         rows2 = routing2.sorted_token_ids.numel()

@@ -36,7 +36,9 @@ class MoetuneDecodeKernel(OwnTritonKernel):
 
     name = "moetune_decode"
     params = (
-        Param("g1_BLOCK_N", (4, 8, 16, 32, 64)),
+        # 1-2 rows: at 1-2 tokens of a top-1 layer (Llama-4: one expert, I = 1024) even
+        # 4-row tiles leave fewer than two programs per SM.
+        Param("g1_BLOCK_N", (1, 2, 4, 8, 16, 32, 64)),
         Param("g1_BLOCK_K", (64, 128, 256, 512, 1024)),
         Param("g1_num_warps", (2, 4, 8)),
         Param("g1_num_stages", (1, 2, 3)),

@@ -37,12 +37,6 @@ TMA_ALIGN = 16
 #: Tiles of H one GEMM2 program computes in one pipelined loop (``_grouped``); 1 was the only
 #: value before this parameter existed.
 N_TILES = (1, 2, 4, 8)
-#: Whether GEMM1 of a gated layer multiplies gate and up rows in one ``tl.dot`` over a tile that
-#: alternates them (twice as wide an MMA, the activation tile read once) rather than two. At
-#: the same tiles aiter's fused-SiLU GEMM1, which does so, took 388 us where this kernel's two
-#: dots took 439 (Qwen3-30B-A3B, 4096 tokens, H200:
-#: ``bench/results/onedot-h200-2026-12-03``). 0 was the only behaviour before.
-ONE_DOT = (0, 1)
 
 
 class MoetuneGroupedKernel(OwnTritonKernel):
@@ -52,7 +46,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
     name = "moetune_grouped"
     params = config_params("g1_") + config_params("g2_") + (
         Param("g2_N_TILES", N_TILES, default=1), Param("W_TMA", W_TMA, default=0),
-        Param("REDUCE", REDUCES), Param("g1_ONE_DOT", ONE_DOT, default=0))
+        Param("REDUCE", REDUCES))
     kernels_module = "moetune.runtime.kernels._grouped"
 
     # --- parameters --------------------------------------------------------------------------
@@ -86,12 +80,6 @@ class MoetuneGroupedKernel(OwnTritonKernel):
                 if size * element % TMA_ALIGN:
                     return (f"W_TMA=1: weight rows of {name}={size} elements are not "
                             f"{TMA_ALIGN}-byte aligned")
-        if params["g1_ONE_DOT"]:
-            if not problem.gated:
-                return "g1_ONE_DOT=1: an ungated layer has one weight tile per K step"
-            if params["W_TMA"]:
-                return ("g1_ONE_DOT=1 gathers alternating gate and up rows by pointers: a TMA "
-                        "descriptor (W_TMA=1) loads one contiguous block")
         reduce = params["REDUCE"]
         if problem.topk == 1 and reduce != "atomic":
             return f"top-1 stores its rows directly: REDUCE={reduce} changes nothing"
@@ -132,8 +120,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if problem.gated:
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
-        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "W_TMA": 0,
-                                  "g1_ONE_DOT": 0}
+        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "W_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)
