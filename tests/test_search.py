@@ -194,3 +194,13 @@ def test_local_search_measures_the_best_work_per_program_in_the_other_families(
     results = search(small_problem, cpu_sku, TwoFamilies(), [rule, bowl, plain], trials=3,
                      refine=60)
     assert best_of(results) == ("bowl", OPTIMUM, 100.0)
+
+
+def test_every_family_is_measured_at_its_seed_however_small_the_budget(small_problem, cpu_sku):
+    """One trial for the rule and three other families: each family's seed is still measured
+    (the budget once ran out on the starts, and families enqueued late were never tried)."""
+    rule = default_registry.get(rule_choice(small_problem, cpu_sku).kernel)
+    families = [seeded(Bowl, name, OPTIMUM) for name in ("bowl", "twin", "ridge")]
+    measurer = TwoFamilies()
+    search(small_problem, cpu_sku, measurer, [rule, *families], trials=1, refine=0)
+    assert {k for k, _ in measurer.calls} == {rule.name, "bowl", "twin", "ridge"}

@@ -50,7 +50,8 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     ``refine`` more by a local search from the best.
 
     The rule's pick is enqueued first, then every other kernel's seed configuration (so each
-    family is measured at least once at a sensible point before the sampler specializes); a
+    family is measured at least once at a sensible point before the sampler specializes; these
+    starts are measured even where ``trials`` is smaller); a
     rule's pick outside the search space (a vLLM tuned-file config) is measured after the
     sampler's trials.
     Configurations pruned before running and repeats do not use up the budget.
@@ -89,9 +90,15 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
                                 study_name=f"moetune:{problem.describe()}", load_if_exists=True)
     starts = [(v.kernel, v.params) for v in variants] + [
         (k.name, k.seed_params(problem, sku)) for k in candidates if k.name != rule.kernel]
+    enqueued = 0
     for name, params in starts:  # the rule's pick may lie outside the space: measured anyway
         if params is not None and by_name[name].searchable(params):
             study.enqueue_trial({"kernel": name, **{f"{name}.{k}": v for k, v in params.items()}})
+            enqueued += 1
+    # Every start is measured, however small the budget: with fewer trials than starts the
+    # families enqueued last (moetune's own) were never measured in a bucket without known
+    # trials (Qwen3-235B-A22B at 1 token, --trials 8: aiter's kernels only).
+    trials = max(trials, enqueued)
     results: dict[Key, Result] = {}
     known = known or {}
     space = sum(k.space_size() for k in candidates)
