@@ -357,7 +357,9 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # GEMM2 programs of several H tiles: H=72 in 3 tiles, 2 per program (the last half empty),
 # I=32 in one K step (every step ends a tile), and top-1's store. Weight tiles through TMA
 # descriptors: tiles past H and I (zeros from the descriptor, or the next rows of the weight,
-# whose columns are never stored), with each reduce, several H tiles, top-1 and ungated.
+# whose columns are never stored), with each reduce, several H tiles, top-1 and ungated. Gate
+# and up tiles in one box (``g1_PAIR_TMA``): I=40 leaves the last tile of each half part empty
+# (zeros from the descriptor), with the router weight on the input and per-row tiles reordered.
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -375,6 +377,10 @@ GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"W_TMA": 1, "g2_N_TILES": 2, "REDUCE": "sum"}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True), {"W_TMA": 1}),
     (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu", gated=False), {"W_TMA": 1}),
+    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"),
+     {"W_TMA": 1, "g1_PAIR_TMA": 1, "REDUCE": "atomic_out"}),
+    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
+     {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_GROUP_SIZE_M": 16}),
 ]
 
 
@@ -471,6 +477,12 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (dataclasses.replace(qwen3, hidden_size=2040, quant="fp8_per_channel"), {"W_TMA": 1},
          "aligned"),
         (dataclasses.replace(qwen3, hidden_size=2040), {"W_TMA": 1}, None),
+        (qwen3, {"W_TMA": 1, "g1_PAIR_TMA": 1}, None),
+        (llama4, {"W_TMA": 1, "g1_PAIR_TMA": 1}, None),
+        (qwen3, {"W_TMA": 0, "g1_PAIR_TMA": 1}, "needs W_TMA=1"),
+        (dataclasses.replace(qwen3, gated=False, activation="gelu"),
+         {"W_TMA": 1, "g1_PAIR_TMA": 1}, "not gated"),
+        (block, {"W_TMA": 1, "g1_PAIR_TMA": 1}, "different blocks"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

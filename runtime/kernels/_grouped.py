@@ -92,6 +92,35 @@ def _block_scaled(acc, a, w, a_scale, s_ptr, first_n, offs_n, mask_n, stride_sn,
 
 
 @triton.jit
+def _k_step(acc, a, a_scale, w_desc, w_ptrs, s_step, expert, first_n, first_k, offs_n, mask_n,
+            mask_k, stride_sn, QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """``acc`` plus one K step: the weight tile of columns ``first_n``.. at ``first_k``.. times
+    the activation tile ``a``, under block scales (``s_step``: the step's block column) or
+    plain."""
+    w = _weight_tile(w_desc, w_ptrs, expert, first_n, first_k, mask_k[:, None] & mask_n[None, :],
+                     BLOCK_N, BLOCK_K, W_TMA)
+    if QUANT == 3:
+        return _block_scaled(acc, a, w, a_scale, s_step, first_n, offs_n, mask_n, stride_sn,
+                             ONE_BLOCK)
+    else:
+        return tl.dot(a, w, acc)
+
+
+@triton.jit
+def _step_scales(xs_ptr, row_offset, valid, s_base, stride_sk, first_k, QUANT: tl.constexpr):
+    """Block-fp8's scales of the K step at ``first_k`` (inside one 128-column block): the
+    activation rows' (at ``row_offset`` of ``xs_ptr``) and the pointer to the weight's block
+    column; other schemes apply their scales after the loop, and these go unread."""
+    if QUANT == 3:
+        group = first_k // 128
+        return (tl.load(xs_ptr + row_offset + group, mask=valid, other=0.0),
+                s_base + group * stride_sk)
+    else:
+        return 0.0, s_base
+
+
+@triton.jit
 def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
     """This program's rows of the (rows, cols) matrix at ``ptr`` (row stride ``stride``) set to
     zero: row r falls to program r mod the grid. A division per element instead made the layer
@@ -106,6 +135,23 @@ def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """GEMM1's gate and up accumulators from one TMA load and one ``tl.dot`` per K step: the
+    descriptor views the (E, 2I, K) weight as (E, 2, I, K), so a (1, 2, BLOCK_N, BLOCK_K) box
+    holds the gate rows and the matching up rows (zeros past I), and the (BLOCK_M, 2 * BLOCK_N)
+    product splits into the two halves once, after the loop."""
+    acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(H, BLOCK_K)):
+        mask_k = offs_k < H - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        w = w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k * BLOCK_K])
+        acc = tl.dot(a, w.reshape(2 * BLOCK_N, BLOCK_K).T, acc)
+        a_ptrs += BLOCK_K
+    return acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
+
+
+@triton.jit
 def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_ptr,
                post_ptr, zero_ptr, zero_rows, zero_cols, zero_stride, H, I, pairs, num_rows,
                stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
@@ -113,7 +159,7 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
-               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr):
+               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr, PAIR_TMA: tl.constexpr):
     if ZERO:  # GEMM2 adds into this buffer
         _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
@@ -132,32 +178,27 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
                  + offs_k[:, None] * stride_wk)
     up_ptrs = gate_ptrs + I * stride_wn
     s_base = s_ptr + expert * stride_se
-    acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k in range(0, tl.cdiv(H, BLOCK_K)):
-        mask_k = offs_k < H - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        w = _weight_tile(w_desc, gate_ptrs, expert, pid_n * BLOCK_N, k * BLOCK_K,
-                         mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
-        if QUANT == 3:  # block scales: this K step lies in one 128-column block
-            group = (k * BLOCK_K) // 128
-            a_scale = tl.load(xs_ptr + token * stride_xsm + group, mask=valid, other=0.0)
-            acc_gate = _block_scaled(acc_gate, a, w, a_scale, s_base + group * stride_sk,
-                                     pid_n * BLOCK_N, offs_n, mask_n, stride_sn, ONE_BLOCK)
-        else:
-            acc_gate = tl.dot(a, w, acc_gate)
-        if GATED:
-            w = _weight_tile(w_desc, up_ptrs, expert, I + pid_n * BLOCK_N, k * BLOCK_K,
-                             mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
-            if QUANT == 3:
-                acc_up = _block_scaled(acc_up, a, w, a_scale, s_base + group * stride_sk,
-                                       I + pid_n * BLOCK_N, I + offs_n, mask_n, stride_sn,
-                                       ONE_BLOCK)
-            else:
-                acc_up = tl.dot(a, w, acc_up)
-        a_ptrs += BLOCK_K
-        gate_ptrs += BLOCK_K * stride_wk
-        up_ptrs += BLOCK_K * stride_wk
+    if PAIR_TMA:
+        acc_gate, acc_up = _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H,
+                                          BLOCK_M, BLOCK_N, BLOCK_K)
+    else:
+        acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k in range(0, tl.cdiv(H, BLOCK_K)):
+            mask_k = offs_k < H - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            a_scale, s_step = _step_scales(xs_ptr, token * stride_xsm, valid, s_base, stride_sk,
+                                           k * BLOCK_K, QUANT)
+            acc_gate = _k_step(acc_gate, a, a_scale, w_desc, gate_ptrs, s_step, expert,
+                               pid_n * BLOCK_N, k * BLOCK_K, offs_n, mask_n, mask_k, stride_sn,
+                               QUANT, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
+            if GATED:
+                acc_up = _k_step(acc_up, a, a_scale, w_desc, up_ptrs, s_step, expert,
+                                 I + pid_n * BLOCK_N, k * BLOCK_K, I + offs_n, mask_n, mask_k,
+                                 stride_sn, QUANT, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
+            a_ptrs += BLOCK_K
+            gate_ptrs += BLOCK_K * stride_wk
+            up_ptrs += BLOCK_K * stride_wk
     if QUANT == 1 or QUANT == 2:  # per-token activation scales
         row_scale = tl.load(xs_ptr + token * stride_xsm, mask=valid, other=0.0)
         acc_gate *= row_scale[:, None]
@@ -211,15 +252,11 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
         for k in range(0, tl.cdiv(I, BLOCK_K)):
             mask_k = offs_k < I - k * BLOCK_K
             a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = _weight_tile(w_desc, w_ptrs, expert, pid_n * BLOCK_N, k * BLOCK_K,
-                             mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K, W_TMA)
-            if QUANT == 3:
-                group = (k * BLOCK_K) // 128
-                a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
-                acc = _block_scaled(acc, a, w, a_scale, s_base + group * stride_sk,
-                                    pid_n * BLOCK_N, offs_n, mask_n, stride_sn, ONE_BLOCK)
-            else:
-                acc = tl.dot(a, w, acc)
+            a_scale, s_step = _step_scales(as_ptr, row * stride_asm, valid, s_base, stride_sk,
+                                           k * BLOCK_K, QUANT)
+            acc = _k_step(acc, a, a_scale, w_desc, w_ptrs, s_step, expert, pid_n * BLOCK_N,
+                          k * BLOCK_K, offs_n, mask_n, mask_k, stride_sn, QUANT, BLOCK_N,
+                          BLOCK_K, W_TMA, ONE_BLOCK)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
         _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
@@ -236,17 +273,12 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
             mask_k = offs_k < I - k * BLOCK_K
             a = tl.load(a_ptr + row[:, None] * stride_am + (k * BLOCK_K + offs_k)[None, :],
                         mask=valid[:, None] & mask_k[None, :], other=0.0)
-            w = _weight_tile(w_desc, w_base + offs_n[None, :] * stride_wn
-                             + (k * BLOCK_K + offs_k)[:, None] * stride_wk, expert, first_n,
-                             k * BLOCK_K, mask_k[:, None] & mask_n[None, :], BLOCK_N, BLOCK_K,
-                             W_TMA)
-            if QUANT == 3:
-                group = (k * BLOCK_K) // 128
-                a_scale = tl.load(as_ptr + row * stride_asm + group, mask=valid, other=0.0)
-                acc = _block_scaled(acc, a, w, a_scale, s_base + group * stride_sk, first_n,
-                                    offs_n, mask_n, stride_sn, ONE_BLOCK)
-            else:
-                acc = tl.dot(a, w, acc)
+            a_scale, s_step = _step_scales(as_ptr, row * stride_asm, valid, s_base, stride_sk,
+                                           k * BLOCK_K, QUANT)
+            acc = _k_step(acc, a, a_scale, w_desc, w_base + offs_n[None, :] * stride_wn
+                          + (k * BLOCK_K + offs_k)[:, None] * stride_wk, s_step, expert, first_n,
+                          k * BLOCK_K, offs_n, mask_n, mask_k, stride_sn, QUANT, BLOCK_N,
+                          BLOCK_K, W_TMA, ONE_BLOCK)
             if k == k_steps - 1:
                 _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm,
                                 s_base, stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT,
@@ -279,13 +311,19 @@ def _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s
             tl.atomic_add(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
 
 
-def weight_descriptor(w: torch.Tensor, config: dict[str, int]) -> Any:
+def weight_descriptor(w: torch.Tensor, config: dict[str, int], gate_up: bool = False) -> Any:
     """A TMA descriptor of the (E, N, K) weight ``w`` loading (1, BLOCK_SIZE_N, BLOCK_SIZE_K)
-    tiles; made once per prepared call, since the weights do not move."""
+    tiles, or with ``gate_up`` of ``w`` viewed as (E, 2, N / 2, K) loading a gate tile and its
+    up tile together (``_gate_up_pairs``); made once per prepared call, since the weights do
+    not move."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    return TensorDescriptor(w, list(w.shape), list(w.stride()),
-                            [1, config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]])
+    block = [config["BLOCK_SIZE_N"], config["BLOCK_SIZE_K"]]
+    if gate_up:
+        e, n, k = w.shape
+        w = w.view(e, 2, n // 2, k)
+        block = [2] + block
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [1] + block)
 
 
 def one_block(config: dict[str, int], offset: int) -> bool:
@@ -310,10 +348,10 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
     on_input = problem.router_weight_on_input
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
-    w_tma = params["W_TMA"]
+    w_tma, gate_up = params["W_TMA"], params["g1_PAIR_TMA"]
     one_block1 = quant == QUANT_BLOCK and one_block(config1, inter * problem.gated)
     one_block2 = quant == QUANT_BLOCK and one_block(config2, 0)
-    d13 = weight_descriptor(w13, config1) if w_tma else w13
+    d13 = weight_descriptor(w13, config1, gate_up) if w_tma else w13
     d2 = weight_descriptor(w2, config2) if w_tma else w2
     if problem.topk == 1:
         mode, buffer = STORE, "out"
@@ -362,7 +400,8 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
             BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
             BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
-            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, num_warps=config1["num_warps"],
+            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, PAIR_TMA=gate_up,
+            num_warps=config1["num_warps"],
             num_stages=config1["num_stages"])
         hq, hs = quantize(h)
         rows2 = routing2.sorted_token_ids.numel()

@@ -34,6 +34,10 @@ MIN_BLOCK_M = 16
 W_TMA = (0, 1)
 #: A TMA descriptor's row strides must be multiples of this many bytes.
 TMA_ALIGN = 16
+#: Whether GEMM1 loads each K step's gate and up weight tiles in one TMA box and multiplies them
+#: in one ``tl.dot`` twice as wide (``_grouped._gate_up_pairs``), instead of two loads and two
+#: dots, each one more CTA barrier per K step on Hopper.
+PAIR_TMA = (0, 1)
 #: Tiles of H one GEMM2 program computes in one pipelined loop (``_grouped``); 1 was the only
 #: value before this parameter existed.
 N_TILES = (1, 2, 4, 8)
@@ -46,6 +50,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
     name = "moetune_grouped"
     params = config_params("g1_") + config_params("g2_") + (
         Param("g2_N_TILES", N_TILES, default=1), Param("W_TMA", W_TMA, default=0),
+        Param("g1_PAIR_TMA", PAIR_TMA, default=0),
         Param("REDUCE", REDUCES))
     kernels_module = "moetune.runtime.kernels._grouped"
 
@@ -80,6 +85,14 @@ class MoetuneGroupedKernel(OwnTritonKernel):
                 if size * element % TMA_ALIGN:
                     return (f"W_TMA=1: weight rows of {name}={size} elements are not "
                             f"{TMA_ALIGN}-byte aligned")
+        if params["g1_PAIR_TMA"]:
+            if not params["W_TMA"]:
+                return "g1_PAIR_TMA=1 loads through TMA: it needs W_TMA=1"
+            if not problem.gated:
+                return "g1_PAIR_TMA=1 pairs gate and up tiles: the layer is not gated"
+            if problem.quant is QuantScheme.FP8_BLOCK_128X128:
+                return ("g1_PAIR_TMA=1: block-fp8 scales the gate and up halves by different "
+                        "blocks, which the paired K step does not apply")
         reduce = params["REDUCE"]
         if problem.topk == 1 and reduce != "atomic":
             return f"top-1 stores its rows directly: REDUCE={reduce} changes nothing"
@@ -120,7 +133,8 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if problem.gated:
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
-        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "W_TMA": 0}
+        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "W_TMA": 0,
+                                  "g1_PAIR_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)
