@@ -128,7 +128,9 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         one launch less than ``atomic``). Weight tiles come through TMA where the device and
         row alignment allow: on the H200 it was faster at 59 of 63 same-tile pairs over ten
         preset buckets (geomean 1.045x, 0.96-1.21x; ``bench/results/tma-h200-2026-12-02``), and
-        the search still tries pointers. None if no stage count fits."""
+        the search still tries pointers; gate and up tiles in one box where allowed (1.023x over
+        14 buckets, 0.998-1.091x: ``bench/results/kernels-h200-2026-12-03c``). None if no stage
+        count fits."""
         g1 = dict(gemm1)
         if problem.gated:
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
@@ -144,8 +146,10 @@ class MoetuneGroupedKernel(OwnTritonKernel):
                 return None
             for key in stages:
                 params[key] -= 1
-        tma = {**params, "W_TMA": 1}
-        return tma if cls.check_params(problem, tma) is None else params
+        for faster in ({**params, "W_TMA": 1, "g1_PAIR_TMA": 1}, {**params, "W_TMA": 1}):
+            if cls.check_params(problem, faster) is None:
+                return faster
+        return params
 
     # --- execution ---------------------------------------------------------------------------
     @classmethod
