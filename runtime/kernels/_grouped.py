@@ -3,7 +3,8 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
 
 1. ``_gemm1_act``: one program per (block of sorted pairs, tile of I). The gate and up tiles of
    the block's expert are read once per K step and multiplied by the same activation tile (two
-   accumulators); the epilogue applies the scales, the router weight when it is on the input,
+   accumulators, or with ``PAIR_TMA`` one TMA box and one dot for both, split after the loop:
+   ``_gate_up_pairs``); the epilogue applies the scales, the router weight when it is on the input,
    the activation and the gate product, and writes the activated intermediate (pairs, I).
    Where GEMM2 adds into its output, every GEMM1 program also zeroes a share of that output
    first (``ZERO``), so no fill launch precedes GEMM2.
