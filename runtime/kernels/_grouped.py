@@ -175,14 +175,14 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
-    gate_ptrs = (w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
-                 + offs_k[:, None] * stride_wk)
-    up_ptrs = gate_ptrs + I * stride_wn
     s_base = s_ptr + expert * stride_se
     if PAIR_TMA:
         acc_gate, acc_up = _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H,
                                           BLOCK_M, BLOCK_N, BLOCK_K)
     else:
+        gate_ptrs = (w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
+                     + offs_k[:, None] * stride_wk)
+        up_ptrs = gate_ptrs + I * stride_wn
         acc_gate = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k in range(0, tl.cdiv(H, BLOCK_K)):
