@@ -161,14 +161,17 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     scheme's epilogue once per tile; H = 200 leaves the second tile of each program part empty),
     and weight tiles through TMA descriptors, alone and with two tiles per GEMM2 program, where
     the rows are 16-byte aligned (H = 200 is not in fp8), with gate and up tiles in one box
-    where the layer is gated and not block fp8; block fp8 with tiles of 256 columns,
-    spanning two 128-row scale blocks (the default's lie in one)."""
+    where the layer is gated (under block fp8 also with each half a whole 128-row scale
+    block); block fp8 with tiles of 256 columns, spanning two 128-row scale blocks (the
+    default's lie in one)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
            for tiles in ({}, {"g2_N_TILES": 2})]
-    pairs = [(p, {"W_TMA": 1, "g1_PAIR_TMA": 1}) for p in _problems() if p.hidden_size % 16 == 0
-             and p.gated and p.quant is not QuantScheme.FP8_BLOCK_128X128]
+    pairs = [(p, {"W_TMA": 1, "g1_PAIR_TMA": 1, **tile}) for p in _problems()
+             if p.hidden_size % 16 == 0 and p.gated
+             for tile in ({}, {"g1_BLOCK_SIZE_N": 128})
+             if not tile or p.quant is QuantScheme.FP8_BLOCK_128X128]
     wide = [(p, {"g1_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_K": 64})
             for p in _problems() if p.quant is QuantScheme.FP8_BLOCK_128X128]
     return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + pairs + wide

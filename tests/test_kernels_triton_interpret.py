@@ -482,7 +482,9 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (qwen3, {"W_TMA": 0, "g1_PAIR_TMA": 1}, "needs W_TMA=1"),
         (dataclasses.replace(qwen3, gated=False, activation="gelu"),
          {"W_TMA": 1, "g1_PAIR_TMA": 1}, "not gated"),
-        (block, {"W_TMA": 1, "g1_PAIR_TMA": 1}, "different blocks"),
+        (block, {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_BLOCK_SIZE_N": 64}, None),
+        (block, {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_BLOCK_SIZE_N": 128}, None),
+        (block, {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_BLOCK_SIZE_N": 256}, "128-row scale block"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

@@ -136,18 +136,34 @@ def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H, BLOCK_M: tl.constexpr,
+def _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H, I, xs_ptr, xs_offset, s_base,
+                   stride_sn, stride_sk, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """GEMM1's gate and up accumulators from one TMA load and one ``tl.dot`` per K step: the
     descriptor views the (E, 2I, K) weight as (E, 2, I, K), so a (1, 2, BLOCK_N, BLOCK_K) box
     holds the gate rows and the matching up rows (zeros past I), and the (BLOCK_M, 2 * BLOCK_N)
-    product splits into the two halves once, after the loop."""
+    product splits into the two halves once, after the loop. Under block-fp8 scales each half
+    lies in one 128-row block (``one_block``), so a step scales the product's gate columns by
+    one number and its up columns by another, times each row's activation scale."""
     acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+    # Column c of the product belongs to the gate half (c < BLOCK_N) or the up half.
+    up_half = tl.arange(0, 2 * BLOCK_N) >= BLOCK_N
+    gate_block = s_base + (pid_n * BLOCK_N // 128) * stride_sn
+    up_block = s_base + ((I + pid_n * BLOCK_N) // 128) * stride_sn
     for k in range(0, tl.cdiv(H, BLOCK_K)):
         mask_k = offs_k < H - k * BLOCK_K
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         w = w_desc.load([expert.to(tl.int32), 0, pid_n * BLOCK_N, k * BLOCK_K])
-        acc = tl.dot(a, w.reshape(2 * BLOCK_N, BLOCK_K).T, acc)
+        w = w.reshape(2 * BLOCK_N, BLOCK_K).T
+        if QUANT == 3:  # a K step lies inside one 128-column block
+            group = k * BLOCK_K // 128
+            a_scale = tl.load(xs_ptr + xs_offset + group, mask=valid, other=0.0)
+            gate_scale = a_scale * tl.load(gate_block + group * stride_sk)
+            up_scale = a_scale * tl.load(up_block + group * stride_sk)
+            acc += tl.dot(a, w) * tl.where(up_half[None, :], up_scale[:, None],
+                                           gate_scale[:, None])
+        else:
+            acc = tl.dot(a, w, acc)
         a_ptrs += BLOCK_K
     return acc.reshape(BLOCK_M, 2, BLOCK_N).permute(0, 2, 1).split()
 
@@ -177,8 +193,9 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
     a_ptrs = x_ptr + token[:, None] * stride_xm + offs_k[None, :]
     s_base = s_ptr + expert * stride_se
     if PAIR_TMA:
-        acc_gate, acc_up = _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H,
-                                          BLOCK_M, BLOCK_N, BLOCK_K)
+        acc_gate, acc_up = _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H, I,
+                                          xs_ptr, token * stride_xsm, s_base, stride_sn,
+                                          stride_sk, QUANT, BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         gate_ptrs = (w_ptr + expert * stride_we + offs_n[None, :] * stride_wn
                      + offs_k[:, None] * stride_wk)

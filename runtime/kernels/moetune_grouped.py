@@ -90,9 +90,11 @@ class MoetuneGroupedKernel(OwnTritonKernel):
                 return "g1_PAIR_TMA=1 loads through TMA: it needs W_TMA=1"
             if not problem.gated:
                 return "g1_PAIR_TMA=1 pairs gate and up tiles: the layer is not gated"
-            if problem.quant is QuantScheme.FP8_BLOCK_128X128:
-                return ("g1_PAIR_TMA=1: block-fp8 scales the gate and up halves by different "
-                        "blocks, which the paired K step does not apply")
+            # Block-fp8 sizes are multiples of the block, so the up half starts a block too.
+            rows, block_n = QUANT_BLOCK[0], params["g1_BLOCK_SIZE_N"]
+            if problem.quant is QuantScheme.FP8_BLOCK_128X128 and rows % block_n:
+                return (f"g1_PAIR_TMA=1: a tile's gate half (g1_BLOCK_SIZE_N={block_n}) spans "
+                        f"more than one {rows}-row scale block")
         reduce = params["REDUCE"]
         if problem.topk == 1 and reduce != "atomic":
             return f"top-1 stores its rows directly: REDUCE={reduce} changes nothing"
