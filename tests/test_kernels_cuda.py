@@ -163,7 +163,8 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     the rows are 16-byte aligned (H = 200 is not in fp8), with gate and up tiles in one box
     where the layer is gated (under block fp8 also with each half a whole 128-row scale
     block); block fp8 with tiles of 256 columns, spanning two 128-row scale blocks (the
-    default's lie in one)."""
+    default's lie in one); GEMM2's programs in column-major order, with one and two tiles per
+    program."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
@@ -174,7 +175,10 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
              if not tile or p.quant is QuantScheme.FP8_BLOCK_128X128]
     wide = [(p, {"g1_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_N": 256, "g2_BLOCK_SIZE_K": 64})
             for p in _problems() if p.quant is QuantScheme.FP8_BLOCK_128X128]
-    return reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + pairs + wide
+    column_major = [(p, {"g2_N_MAJOR": 1, **tiles}) for p in _problems()
+                    for tiles in ({}, {"g2_N_TILES": 2})]
+    return (reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + pairs + wide
+            + column_major)
 
 
 @cuda

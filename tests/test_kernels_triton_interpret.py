@@ -360,6 +360,9 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # whose columns are never stored), with each reduce, several H tiles, top-1 and ungated. Gate
 # and up tiles in one box (``g1_PAIR_TMA``): I=40 leaves the last tile of each half part empty
 # (zeros from the descriptor), with the router weight on the input and per-row tiles reordered.
+# GEMM2 programs in column-major order (``g2_N_MAJOR``): several row blocks per column group
+# (9 x 3 pairs in blocks of 16), with a GEMM2 tile of other rows, two tiles per program (the
+# last half empty), through TMA, and top-1.
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -381,6 +384,11 @@ GROUPED_CASES = [
      {"W_TMA": 1, "g1_PAIR_TMA": 1, "REDUCE": "atomic_out"}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
      {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_GROUP_SIZE_M": 16}),
+    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"), {"g2_N_MAJOR": 1, "REDUCE": "atomic_out"}),
+    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"),
+     {"g2_N_MAJOR": 1, "g2_BLOCK_SIZE_M": 32, "g2_N_TILES": 2, "W_TMA": 1, "REDUCE": "sum"}),
+    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
+     {"g2_N_MAJOR": 1}),
 ]
 
 

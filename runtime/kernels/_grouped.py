@@ -10,7 +10,9 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    first (``ZERO``), so no fill launch precedes GEMM2.
 2. ``_gemm2_reduce``: one program per (block of sorted pairs, ``N_TILES`` tiles of H), the
    tiles in one loop over (tile, K step) so that loads stay in flight across tiles when I is
-   short. The epilogue multiplies the router weight and adds each row into its token's output
+   short; with ``N_MAJOR`` the programs take every block of pairs for one group of columns
+   before the next (so the output columns the reduce adds into stay in L2), else
+   ``GROUP_M`` blocks at a time across all of H. The epilogue multiplies the router weight and adds each row into its token's output
    row (``ATOMIC``: into a float32 buffer or the output itself), stores it (``STORE``: top-1,
    nothing to reduce), or stores the (pairs, H) rows a torch sum then reduces (``ROWS``: what
    vLLM does, kept so the search measures the fused reduce against it on every GPU and shape).
@@ -249,10 +251,17 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
                   TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
-                  W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
-    if pid_m * BLOCK_M >= tl.load(post_ptr):
-        return
+                  N_MAJOR: tl.constexpr, W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    if N_MAJOR:  # every used row block for one group of columns, then the next group
+        used_m = tl.cdiv(tl.load(post_ptr), BLOCK_M)
+        pid_m = tl.program_id(0) % used_m
+        pid_n = tl.program_id(0) // used_m
+        if pid_n >= tl.cdiv(H, BLOCK_N * N_TILES):
+            return
+    else:
+        pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
+        if pid_m * BLOCK_M >= tl.load(post_ptr):
+            return
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_m)
     valid = pair < pairs
@@ -429,7 +438,8 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             hq.stride(0), hs.stride(0), *w2.stride(), *s2_strides, target.stride(0), TOPK=topk,
             QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
             BLOCK_N=config2["BLOCK_SIZE_N"], BLOCK_K=config2["BLOCK_SIZE_K"],
-            GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, W_TMA=w_tma,
+            GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, N_MAJOR=params["g2_N_MAJOR"],
+            W_TMA=w_tma,
             ONE_BLOCK=one_block2, num_warps=config2["num_warps"],
             num_stages=config2["num_stages"])
         if buffer == "rows":

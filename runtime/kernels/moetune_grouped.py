@@ -41,6 +41,11 @@ PAIR_TMA = (0, 1)
 #: Tiles of H one GEMM2 program computes in one pipelined loop (``_grouped``); 1 was the only
 #: value before this parameter existed.
 N_TILES = (1, 2, 4, 8)
+#: The order of GEMM2's programs: 0 takes ``g2_GROUP_SIZE_M`` blocks of pairs at a time across
+#: all of H (vLLM's order); 1 takes every block for one group of columns before the next
+#: (``g2_GROUP_SIZE_M`` then unused), so the output columns the fused reduce adds a token's
+#: top-k rows into stay in L2 between them, where (tokens, H) is larger than L2.
+N_MAJOR = (0, 1)
 
 
 class MoetuneGroupedKernel(OwnTritonKernel):
@@ -49,7 +54,8 @@ class MoetuneGroupedKernel(OwnTritonKernel):
 
     name = "moetune_grouped"
     params = config_params("g1_") + config_params("g2_") + (
-        Param("g2_N_TILES", N_TILES, default=1), Param("W_TMA", W_TMA, default=0),
+        Param("g2_N_TILES", N_TILES, default=1), Param("g2_N_MAJOR", N_MAJOR, default=0),
+        Param("W_TMA", W_TMA, default=0),
         Param("g1_PAIR_TMA", PAIR_TMA, default=0),
         Param("REDUCE", REDUCES))
     kernels_module = "moetune.runtime.kernels._grouped"
@@ -137,8 +143,8 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if problem.gated:
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
-        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "W_TMA": 0,
-                                  "g1_PAIR_TMA": 0}
+        params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "g2_N_MAJOR": 0,
+                                  "W_TMA": 0, "g1_PAIR_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)
