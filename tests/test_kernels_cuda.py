@@ -318,11 +318,13 @@ DECODE_TOKENS = (1, 4, 16)
 
 
 def _decode_variants(problem: MoEProblem) -> list[dict]:
-    """The seed config and its reduce and split-K variants that the constraints keep."""
+    """The seed config and its reduce and split-K variants that the constraints keep, each
+    also with GEMM2 launched while GEMM1 runs (``PDL``)."""
     kernel = default_registry.get("moetune_decode")
     seed = kernel.seed_params(problem, H200)
     variants = [seed] + [dict(seed, SPLIT_K=s, REDUCE=r) for s in (1, 2, 4)
                          for r in ("atomic", "atomic_out", "ordered")]
+    variants += [dict(v, PDL=1) for v in variants]
     unique = []
     for params in variants:
         if kernel.check_params(problem, params) is None and params not in unique:

@@ -152,7 +152,7 @@ decode_interpreted = pytest.mark.skipif(
     not DECODE_INTERPRETED, reason="runs inside test_decode_checks_pass_in_a_fresh_process")
 DECODE = {"g1_BLOCK_N": 16, "g1_BLOCK_K": 64, "g1_num_warps": 4, "g1_num_stages": 2,
           "g2_BLOCK_N": 32, "g2_BLOCK_K": 32, "g2_num_warps": 4, "g2_num_stages": 2,
-          "SPLIT_K": 1, "REDUCE": "atomic"}
+          "SPLIT_K": 1, "REDUCE": "atomic", "PDL": 0}
 # (problem, overrides): float32/float16, gated or not, silu/gelu, top-1 (a direct store) and
 # top-k (each reduce), the router weight on the input, split-K on and off, and tails: H=72 and
 # I=40 are multiples of no tile here; I=100 leaves the last split 4 columns.
@@ -342,6 +342,32 @@ def test_decode_constraints_drop_what_cannot_fit_or_repeats_another_point():
         assert why and word in why, (change, why)
     assert kernel.check_params(llama4, {**kernel.seed_params(llama4, H100), "SPLIT_K": 2,
                                         "REDUCE": "ordered"}) is None
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_decode_overlapped_launch_is_offered_on_hopper_cuda_only(monkeypatch):
+    from moetune.runtime.kernels import moetune_decode, triton_config
+
+    kernel = default_registry.get("moetune_decode")
+    qwen3 = DECODE_SHAPES["qwen3"]
+    params = {**kernel.seed_params(qwen3, H100), "PDL": 1}
+    verdicts = {}
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    for hip, capability in ((None, (9, 0)), (None, (8, 0)), ("6.4", (9, 4))):
+        monkeypatch.setattr(torch.version, "hip", hip)
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: capability)
+        monkeypatch.setattr(moetune_decode, "pdl_reason", triton_config.pdl_reason.__wrapped__)
+        verdicts[capability] = kernel.check_params(qwen3, params)
+    assert verdicts[(9, 0)] is None
+    assert "sm_90" in verdicts[(8, 0)] and "sm_80" in verdicts[(8, 0)]
+    assert verdicts[(9, 4)].startswith("PDL=1") and "NVIDIA" in verdicts[(9, 4)]
+    # W2 rows of 196 bf16 elements are 392 B: the L2 prefetch moves 16-byte units.
+    monkeypatch.setattr(torch.version, "hip", None)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda: (9, 0))
+    odd = dataclasses.replace(qwen3, intermediate_size=196)
+    assert "aligned" in kernel.check_params(odd, {**kernel.seed_params(odd, H100), "PDL": 1})
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "NVIDIA" in kernel.check_params(qwen3, params)  # the interpreter runs no PTX
 
 
 # --- moetune_grouped: the prefill kernel (grouped GEMMs, the top-k reduce fused) ----------------

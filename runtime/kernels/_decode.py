@@ -13,6 +13,10 @@ Each program owns one routed (token, slot) pair and reads its expert id straight
    to reduce), an atomic add into a float32 buffer or into the output itself, or a store of the
    partial into its own row (``_reduce_rows`` then sums the rows in a fixed order).
 
+With ``PDL`` (Hopper's programmatic dependent launch) GEMM2 launches while GEMM1 still runs:
+its programs have their weight rows brought into L2 (they do not depend on GEMM1), then wait
+for GEMM1's results (``gdc_wait``), so the two launches overlap instead of running back to back.
+
 fp8 weights are dequantized in registers (weight-only: activations stay in the compute dtype).
 Scales: per expert (``QUANT_TENSOR``), per output row (``QUANT_CHANNEL``) or per 128x128 block
 (``QUANT_BLOCK``). For blocks a tile's rows must lie in one 128-row block (``BLOCK_N`` divides
@@ -30,6 +34,7 @@ from typing import Any
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
 from moetune.runtime.kernels._scales import CODES, scale_args
@@ -48,7 +53,9 @@ def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
                stride_im, stride_ik, stride_tm, stride_tk, stride_hm, stride_zm,
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, ZERO: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # GEMM2 may launch once every program here has started
+        gdc_launch_dependents()
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     token = pair // TOPK
@@ -124,7 +131,7 @@ def _gemm2_reduce(a_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
                   stride_om,
                   TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   MODE: tl.constexpr, SPLIT_K: tl.constexpr,
-                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                  BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     pair = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -142,6 +149,11 @@ def _gemm2_reduce(a_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     a_ptrs = a_ptr + pair * stride_am + offs_k
     s_base = s_ptr + expert * stride_se
     row_block = (pid_n * BLOCK_N) // 128
+    if PDL:  # launched while GEMM1 runs: its weight rows are read into L2 before waiting on it
+        rows = w_ptr + expert * stride_we + tl.minimum(offs_n, H - 1) * stride_wn
+        _prefetch_l2(rows + k_start * stride_wk,
+                     (k_end - k_start) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
+        gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k in range(k_start, k_end, BLOCK_K):
         mask_k = offs_k < k_end - (k - k_start)
@@ -168,6 +180,15 @@ def _gemm2_reduce(a_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     else:
         row = pair * SPLIT_K + pid_k
         tl.store(out_ptr + row * stride_om + offs_n, y, mask=mask_n)
+
+
+@triton.jit
+def _prefetch_l2(ptrs, nbytes):
+    """Have the TMA unit bring ``nbytes`` from each of ``ptrs`` (16-byte aligned) into L2,
+    without registers or a wait."""
+    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2;\n\tmov.u32 $0, 0;",
+                              "=r,l,r", [ptrs, tl.zeros(ptrs.shape, dtype=tl.int32) + nbytes],
+                              dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit
@@ -203,7 +224,9 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
     on_input = problem.router_weight_on_input
     launch1 = {"num_warps": params["g1_num_warps"], "num_stages": params["g1_num_stages"]}
-    launch2 = {"num_warps": params["g2_num_warps"], "num_stages": params["g2_num_stages"]}
+    pdl = params["PDL"]
+    launch2 = {"num_warps": params["g2_num_warps"], "num_stages": params["g2_num_stages"],
+               **({"launch_pdl": True} if pdl else {})}
     if problem.topk == 1 and split == 1:
         mode, buffer = STORE, "out"
     elif reduce == "ordered":
@@ -233,12 +256,12 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             *w13.stride(), *s13_strides, *topk_ids.stride(), *topk_weights.stride(), h.stride(0),
             target.stride(0), TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant,
             ON_INPUT=on_input, ZERO=zero, ZERO_BLOCK=zero_block, BLOCK_N=bn1, BLOCK_K=bk1,
-            **launch1)
+            PDL=pdl, **launch1)
         _gemm2_reduce[(pairs, tiles2, split)](
             h, w2, s2, topk_ids, topk_weights, target, hidden, inter, k_per_split, h.stride(0),
             *w2.stride(), *s2_strides, *topk_ids.stride(), *topk_weights.stride(),
             target.stride(0), TOPK=topk, QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode,
-            SPLIT_K=split, BLOCK_N=bn2, BLOCK_K=bk2, **launch2)
+            SPLIT_K=split, BLOCK_N=bn2, BLOCK_K=bk2, PDL=pdl, **launch2)
         if buffer == "partial":
             _reduce_rows[(m, triton.cdiv(hidden, REDUCE_BLOCK))](
                 target, out, hidden, target.stride(0), out.stride(0), ROWS=topk * split,

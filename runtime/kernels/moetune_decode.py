@@ -15,6 +15,7 @@ from typing import Any
 from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
 from moetune.runtime.kernels._own_triton import OwnTritonKernel
 from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.kernels.triton_config import operand_bytes, pdl_reason
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
 #: Routed pairs (num_tokens x topk) up to which the kernel is offered: one program per pair
@@ -28,6 +29,11 @@ MAX_ACC_PER_THREAD = 64
 #: the output itself (two launches in all; rounds each add to the output dtype); ``ordered``
 #: stores each partial in its own row and sums the rows in a fixed order (deterministic).
 REDUCES = ("atomic", "atomic_out", "ordered")
+#: Whether GEMM2 launches while GEMM1 runs (programmatic dependent launch): at decode sizes
+#: each launch is a few microseconds of ramp, and GEMM2's weight reads need nothing from GEMM1.
+PDL = (0, 1)
+#: The L2 prefetch of GEMM2's weight rows (``PDL``) moves whole 16-byte units.
+PREFETCH_ALIGN = 16
 
 
 class MoetuneDecodeKernel(OwnTritonKernel):
@@ -48,6 +54,7 @@ class MoetuneDecodeKernel(OwnTritonKernel):
         Param("g2_num_stages", (1, 2, 3)),
         Param("SPLIT_K", (1, 2, 4)),
         Param("REDUCE", REDUCES),
+        Param("PDL", PDL, default=0),
     )
     kernels_module = "moetune.runtime.kernels._decode"
 
@@ -86,6 +93,13 @@ class MoetuneDecodeKernel(OwnTritonKernel):
                     "changes nothing")
         if problem.dtype is DType.FLOAT32 and reduce == "atomic_out":
             return "float32 output: REDUCE=atomic already adds into the output"
+        if params["PDL"]:
+            reason = pdl_reason()
+            if reason:
+                return f"PDL=1: {reason}"
+            if i * operand_bytes(problem) % PREFETCH_ALIGN:
+                return (f"PDL=1: W2 rows of I={i} elements are not {PREFETCH_ALIGN}-byte aligned "
+                        "for the L2 prefetch")
         return None
 
     @classmethod
@@ -116,7 +130,7 @@ class MoetuneDecodeKernel(OwnTritonKernel):
                       64 if gpu else 128)
         seed = {"g1_BLOCK_N": n1, "g1_BLOCK_K": k1, "g1_num_warps": 4, "g1_num_stages": 2,
                 "g2_BLOCK_N": n2, "g2_BLOCK_K": k2, "g2_num_warps": 4, "g2_num_stages": 2,
-                "SPLIT_K": 1, "REDUCE": "atomic"}
+                "SPLIT_K": 1, "REDUCE": "atomic", "PDL": 0}
         return seed if cls.check_params(problem, seed) is None else None
 
     # --- execution ---------------------------------------------------------------------------

@@ -103,6 +103,21 @@ def tma_reason() -> str | None:
     return None
 
 
+@functools.cache
+def pdl_reason() -> str | None:
+    """Why the current device cannot run a launch that overlaps the one before it (Hopper's
+    programmatic dependent launch, with its PTX waits), or None: NVIDIA sm_90 and newer only;
+    Triton's CPU interpreter runs no PTX."""
+    import torch
+
+    if not torch.cuda.is_available() or torch.version.hip:
+        return "programmatic dependent launch needs an NVIDIA GPU (sm_90 or newer)"
+    major, minor = torch.cuda.get_device_capability()
+    if major < 9:
+        return f"programmatic dependent launch needs sm_90 or newer, device is sm_{major}{minor}"
+    return None
+
+
 def shared_memory_bytes(block_m: int, block_n: int, block_k: int, num_stages: int,
                         element_bytes: int) -> int:
     """What Triton's software pipeline keeps in shared memory: ``num_stages`` A and B tiles.
