@@ -307,6 +307,33 @@ def test_graph_safe_kernels_replay_a_captured_graph_on_new_inputs(name, problem,
     assert relative_error(captured, eager) <= 1e-6, name
 
 
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("rows,cols,group", [(37, 256, 128), (4096, 256, 128), (5, 7168, 128),
+                                             (3, 1024, None), (70, 384, 128), (1, 5120, None)])
+def test_activation_quant_matches_torch_per_group(rows, cols, group):
+    """Several rows per program where rows are narrow (37 rows of 256: the last program part
+    empty), one where wide; each group's scale is its max over 448, and every value rounds to
+    the nearest fp8 step (within the division's rounding); an all-zero row gets a tiny scale
+    and zeros, not NaN."""
+    from moetune.runtime.kernels._act_quant import FP8, quantize_rows
+
+    x = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 3
+    x[rows // 2] = 0
+    q, scale = quantize_rows(x, group)
+    size = group or cols
+    groups = x.float().view(rows, -1, size)
+    expected = groups.abs().amax(-1).clamp(min=1e-12) / torch.finfo(FP8).max
+    torch.testing.assert_close(scale, expected, rtol=1e-6, atol=0)
+    reference = (groups / expected[..., None]).to(FP8).float()
+    got = q.float().view(rows, -1, size)
+    assert torch.isfinite(got).all() and (got[rows // 2] == 0).all()
+    # The kernel divides with at most an ulp of difference: a value on a rounding boundary may
+    # land one fp8 step away, nothing more (steps are at most 1/8 of the value).
+    assert ((got - reference).abs() <= reference.abs() / 8 + 2 ** -9).all()  # or a subnormal step
+    assert (got != reference).float().mean() < 1e-3
+
+
 # --- moetune_decode at the decode sizes and model shapes it is for ------------------------------
 # TP8 shards where the model is sharded; bf16 activations. Each shape runs every quant scheme.
 DECODE_SHAPES = {

@@ -11,19 +11,29 @@ FP8 = torch.float8_e4m3fn
 _FP8_MAX = torch.finfo(FP8).max
 
 
+#: Elements one program quantizes: a row of a narrow activation (GEMM2's input at I = 256 is
+#: two groups) is too little work for a program, so several rows share one.
+PROGRAM_ELEMENTS = 4096
+
+
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, scale_ptr, stride_x, GROUPS: tl.constexpr, GROUP: tl.constexpr,
-                  GROUPS_POW2: tl.constexpr, GROUP_POW2: tl.constexpr, FP8_MAX: tl.constexpr):
-    row = tl.program_id(0).to(tl.int64)
-    g = tl.arange(0, GROUPS_POW2)
+def _quant_kernel(x_ptr, q_ptr, scale_ptr, rows, stride_x, ROWS: tl.constexpr,
+                  GROUPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr,
+                  GROUP_POW2: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``ROWS`` rows from ``program_id * ROWS``, as (ROWS * GROUPS_POW2) groups of one tile."""
+    i = tl.arange(0, ROWS * GROUPS_POW2)
+    row = tl.program_id(0).to(tl.int64) * ROWS + i // GROUPS_POW2
+    g = i % GROUPS_POW2
     c = tl.arange(0, GROUP_POW2)
-    offs = g[:, None] * GROUP + c[None, :]
-    mask = (g[:, None] < GROUPS) & (c[None, :] < GROUP)
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    live = (row < rows) & (g < GROUPS)
+    mask = live[:, None] & (c[None, :] < GROUP)
+    col = g[:, None] * GROUP + c[None, :]
+    x = tl.load(x_ptr + row[:, None] * stride_x + col, mask=mask, other=0.0).to(tl.float32)
     scale = tl.maximum(tl.max(tl.abs(x), 1), 1e-12) / FP8_MAX
     q = tl.clamp(x / scale[:, None], -FP8_MAX, FP8_MAX)
-    tl.store(q_ptr + row * (GROUPS * GROUP) + offs, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row * GROUPS + g, scale, mask=g < GROUPS)
+    tl.store(q_ptr + row[:, None] * (GROUPS * GROUP) + col, q.to(q_ptr.dtype.element_ty),
+             mask=mask)
+    tl.store(scale_ptr + row * GROUPS + g, scale, mask=live)
 
 
 def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -36,8 +46,9 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     scale = torch.empty((rows, cols // group), dtype=torch.float32, device=x.device)
     groups = cols // group
     width = triton.next_power_of_2(groups) * triton.next_power_of_2(group)
-    _quant_kernel[(rows,)](x, q, scale, x.stride(0), GROUPS=groups, GROUP=group,
-                           GROUPS_POW2=triton.next_power_of_2(groups),
-                           GROUP_POW2=triton.next_power_of_2(group), FP8_MAX=_FP8_MAX,
-                           num_warps=8 if width >= 8192 else 4)
+    per_program = max(1, PROGRAM_ELEMENTS // width)
+    _quant_kernel[(triton.cdiv(rows, per_program),)](
+        x, q, scale, rows, x.stride(0), ROWS=per_program, GROUPS=groups, GROUP=group,
+        GROUPS_POW2=triton.next_power_of_2(groups), GROUP_POW2=triton.next_power_of_2(group),
+        FP8_MAX=_FP8_MAX, num_warps=8 if width >= 8192 else 4)
     return q, scale
