@@ -137,8 +137,12 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         row alignment allow: on the H200 it was faster at 59 of 63 same-tile pairs over ten
         preset buckets (geomean 1.045x, 0.96-1.21x; ``bench/results/tma-h200-2026-12-02``), and
         the search still tries pointers; gate and up tiles in one box where allowed (1.023x over
-        14 buckets, 0.998-1.091x: ``bench/results/kernels-h200-2026-12-03c``). None if no stage
-        count fits."""
+        14 buckets, 0.998-1.091x: ``bench/results/kernels-h200-2026-12-03c``; under block-fp8
+        scales 1.003x over 6 DeepSeek-V3 buckets, 0.994-1.010x, with 15% fewer instructions per
+        K step: ``bench/results/kernels-h200-2026-12-03d``). GEMM2 in vLLM's program order
+        (``g2_N_MAJOR=0``: the column-major order was 0.997x over 16 buckets, won only at
+        DeepSeek-V3 and Qwen3-235B at 4096 tokens, and is left to the search). None if no
+        stage count fits."""
         g1 = dict(gemm1)
         if problem.gated:
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
