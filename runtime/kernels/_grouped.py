@@ -40,7 +40,7 @@ import triton.language as tl
 from moetune.runtime.kernels._align import align
 from moetune.runtime.kernels._scales import CODES, QUANT_BLOCK, QUANT_NONE, SCALE_BLOCK, scale_args
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
-from moetune.runtime.kernels.triton_config import config_of
+from moetune.runtime.kernels.triton_config import compute_units, config_of
 from moetune.runtime.problem import Activation, DType, MoEProblem
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
@@ -262,33 +262,21 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
         pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(post_ptr):
             return
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < pairs
-    row = pair.to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    w_base = w_ptr + expert * stride_we
-    s_base = s_ptr + expert * stride_se
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if N_TILES == 1:
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < H
-        a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-        w_ptrs = w_base + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        for k in range(0, tl.cdiv(I, BLOCK_K)):
-            mask_k = offs_k < I - k * BLOCK_K
-            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-            a_scale, s_step = _step_scales(as_ptr, row * stride_asm, valid, s_base, stride_sk,
-                                           k * BLOCK_K, QUANT)
-            acc = _k_step(acc, a, a_scale, w_desc, w_ptrs, s_step, expert, pid_n * BLOCK_N,
-                          k * BLOCK_K, offs_n, mask_n, mask_k, stride_sn, QUANT, BLOCK_N,
-                          BLOCK_K, W_TMA, ONE_BLOCK)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
-        _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
-                        stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT, MUL_WEIGHT, MODE)
+        _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
+                    sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
+                    stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, TOPK, QUANT,
+                    MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
     else:
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_m)
+        valid = pair < pairs
+        row = pair.to(tl.int64)
+        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        w_base = w_ptr + expert * stride_we
+        s_base = s_ptr + expert * stride_se
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # N_TILES column tiles in one loop over (tile, K step), so the pipeline keeps loading
         # across tiles: with I = 192-256 a tile has only 2-3 K steps to hide its loads behind.
         k_steps = tl.cdiv(I, BLOCK_K)
@@ -311,6 +299,66 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
                                 s_base, stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT,
                                 MUL_WEIGHT, MODE)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+
+
+@triton.jit
+def _gemm2_persistent(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
+                      experts_ptr, post_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
+                      stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+                      TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                      MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
+                      W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """GEMM2 on a fixed grid: each program walks the tiles ``pid``, ``pid + programs``, ... of
+    the used row blocks in one flattened loop over (tile, K step), so it loads the next tile's
+    operands while it reduces this one's; in ``_gemm2_reduce`` a tile of a short K (I =
+    192-256: 2-3 steps) waits on its loads with nothing else to do."""
+    used_m = tl.cdiv(tl.load(post_ptr), BLOCK_M)
+    num_n = tl.cdiv(H, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
+        if N_MAJOR:
+            pid_m = tile % used_m
+            pid_n = tile // used_m
+        else:
+            pid_m, pid_n = _tile(tile, used_m * BLOCK_M, H, BLOCK_M, BLOCK_N, GROUP_M)
+        _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
+                    sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
+                    stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, TOPK, QUANT,
+                    MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
+
+
+@triton.jit
+def _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
+                experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wk,
+                stride_se, stride_sn, stride_sk, stride_om, TOPK: tl.constexpr,
+                QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr, MODE: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """One (row block ``pid_m``, column tile ``pid_n``) of GEMM2, its rows into the output."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_m)
+    valid = pair < pairs
+    row = pair.to(tl.int64)
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    s_base = s_ptr + expert * stride_se
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < H
+    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k in range(0, tl.cdiv(I, BLOCK_K)):
+        mask_k = offs_k < I - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        a_scale, s_step = _step_scales(as_ptr, row * stride_asm, valid, s_base, stride_sk,
+                                       k * BLOCK_K, QUANT)
+        acc = _k_step(acc, a, a_scale, w_desc, w_ptrs, s_step, expert, pid_n * BLOCK_N,
+                      k * BLOCK_K, offs_n, mask_n, mask_k, stride_sn, QUANT, BLOCK_N, BLOCK_K,
+                      W_TMA, ONE_BLOCK)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
+                    stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT, MUL_WEIGHT, MODE)
 
 
 @triton.jit
@@ -375,6 +423,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
     on_input = problem.router_weight_on_input
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
+    persistent, units = params["g2_PERSISTENT"], compute_units(w2.device)
     w_tma, gate_up = params["W_TMA"], params["g1_PAIR_TMA"]
     one_block1 = quant == QUANT_BLOCK and one_block(config1, inter * problem.gated)
     one_block2 = quant == QUANT_BLOCK and one_block(config2, 0)
@@ -432,16 +481,21 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             num_stages=config1["num_stages"])
         hq, hs = quantize(h)
         rows2 = routing2.sorted_token_ids.numel()
-        launch(_gemm2_reduce, config2, rows2, hidden, n_tiles)(
-            hq, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids,
-            routing2.expert_ids, routing2.num_tokens_post_padded, hidden, inter, pairs, rows2,
-            hq.stride(0), hs.stride(0), *w2.stride(), *s2_strides, target.stride(0), TOPK=topk,
-            QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode, BLOCK_M=config2["BLOCK_SIZE_M"],
-            BLOCK_N=config2["BLOCK_SIZE_N"], BLOCK_K=config2["BLOCK_SIZE_K"],
-            GROUP_M=config2["GROUP_SIZE_M"], N_TILES=n_tiles, N_MAJOR=params["g2_N_MAJOR"],
-            W_TMA=w_tma,
-            ONE_BLOCK=one_block2, num_warps=config2["num_warps"],
-            num_stages=config2["num_stages"])
+        args2 = (hq, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids,
+                 routing2.expert_ids, routing2.num_tokens_post_padded, hidden, inter, pairs)
+        strides2 = (hq.stride(0), hs.stride(0), *w2.stride(), *s2_strides, target.stride(0))
+        consts2 = dict(TOPK=topk, QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode,
+                       BLOCK_M=config2["BLOCK_SIZE_M"], BLOCK_N=config2["BLOCK_SIZE_N"],
+                       BLOCK_K=config2["BLOCK_SIZE_K"], GROUP_M=config2["GROUP_SIZE_M"],
+                       N_MAJOR=params["g2_N_MAJOR"], W_TMA=w_tma, ONE_BLOCK=one_block2,
+                       num_warps=config2["num_warps"], num_stages=config2["num_stages"])
+        if persistent:
+            tiles = triton.cdiv(rows2, config2["BLOCK_SIZE_M"]) * triton.cdiv(
+                hidden, config2["BLOCK_SIZE_N"])
+            _gemm2_persistent[(min(tiles, persistent * units),)](*args2, *strides2, **consts2)
+        else:
+            launch(_gemm2_reduce, config2, rows2, hidden, n_tiles)(
+                *args2, rows2, *strides2, N_TILES=n_tiles, **consts2)
         if buffer == "rows":
             torch.sum(target.view(m, topk, hidden), dim=1, out=out)
         elif buffer == "float32":

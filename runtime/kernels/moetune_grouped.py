@@ -46,6 +46,10 @@ N_TILES = (1, 2, 4, 8)
 #: (``g2_GROUP_SIZE_M`` then unused), so the output columns the fused reduce adds a token's
 #: top-k rows into stay in L2 between them, where (tokens, H) is larger than L2.
 N_MAJOR = (0, 1)
+#: GEMM2 programs per SM on a fixed (persistent) grid, each walking its tiles in one flattened
+#: loop (``_grouped._gemm2_persistent``) so the next tile's loads overlap this tile's short K
+#: loop and epilogue; 0 launches one program per tile (``g2_N_TILES`` tiles per program).
+PERSISTENT = (0, 1, 2, 4)
 
 
 class MoetuneGroupedKernel(OwnTritonKernel):
@@ -55,6 +59,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
     name = "moetune_grouped"
     params = config_params("g1_") + config_params("g2_") + (
         Param("g2_N_TILES", N_TILES, default=1), Param("g2_N_MAJOR", N_MAJOR, default=0),
+        Param("g2_PERSISTENT", PERSISTENT, default=0),
         Param("W_TMA", W_TMA, default=0),
         Param("g1_PAIR_TMA", PAIR_TMA, default=0),
         Param("REDUCE", REDUCES))
@@ -83,6 +88,9 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if n_tiles > -(-problem.hidden_size // block_n):
             return (f"g2_N_TILES={n_tiles} tiles of {block_n} columns: H={problem.hidden_size} "
                     "leaves some empty in every program")
+        if params["g2_PERSISTENT"] and n_tiles > 1:
+            return (f"g2_PERSISTENT={params['g2_PERSISTENT']} walks its tiles one by one: "
+                    f"g2_N_TILES={n_tiles} would repeat it")
         if params["W_TMA"]:
             reason = tma_reason()
             if reason:
@@ -148,7 +156,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
         params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "g2_N_MAJOR": 0,
-                                  "W_TMA": 0, "g1_PAIR_TMA": 0}
+                                  "g2_PERSISTENT": 0, "W_TMA": 0, "g1_PAIR_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)

@@ -86,6 +86,22 @@ def shared_memory_limit() -> int:
     return _HOPPER_SMEM_BYTES
 
 
+#: SMs a persistent grid assumes under Triton's CPU interpreter: few, so that each program walks
+#: several tiles, as on a GPU.
+INTERPRETER_UNITS = 2
+
+
+@functools.cache
+def compute_units(device: Any) -> int:
+    """The SMs (CUs) of ``device``, which a persistent grid fills with programs."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return INTERPRETER_UNITS
+
+
 @functools.cache
 def tma_reason() -> str | None:
     """Why the current device cannot load tiles through TMA descriptors, or None: Hopper and
