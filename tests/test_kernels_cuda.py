@@ -164,7 +164,7 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     where the layer is gated (under block fp8 also with each half a whole 128-row scale
     block); block fp8 with tiles of 256 columns, spanning two 128-row scale blocks (the
     default's lie in one); GEMM2's programs in column-major order, with one and two tiles per
-    program; GEMM2 on a persistent grid (one and two programs per SM, in either order)."""
+    program; GEMM2 on a persistent grid (two and four programs per SM, in either order)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
@@ -178,7 +178,7 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     column_major = [(p, {"g2_N_MAJOR": 1, **tiles}) for p in _problems()
                     for tiles in ({}, {"g2_N_TILES": 2})]
     persistent = [(p, {"g2_PERSISTENT": programs, "g2_N_MAJOR": order}) for p in _problems()
-                  for programs, order in ((1, 0), (2, 1))]
+                  for programs, order in ((2, 0), (4, 1))]
     return (reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + pairs + wide
             + column_major + persistent)
 

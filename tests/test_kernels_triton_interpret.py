@@ -417,10 +417,10 @@ GROUPED_CASES = [
      {"g2_N_MAJOR": 1, "g2_BLOCK_SIZE_M": 32, "g2_N_TILES": 2, "W_TMA": 1, "REDUCE": "sum"}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
      {"g2_N_MAJOR": 1}),
-    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"), {"g2_PERSISTENT": 1, "REDUCE": "atomic_out"}),
+    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"), {"g2_PERSISTENT": 2, "REDUCE": "atomic_out"}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"g2_PERSISTENT": 2, "REDUCE": "sum"}),
     (MoEProblem(9, 72, 40, 4, 3, dtype="float16"),
-     {"g2_PERSISTENT": 1, "g2_N_MAJOR": 1, "g2_BLOCK_SIZE_M": 32, "W_TMA": 1}),
+     {"g2_PERSISTENT": 4, "g2_N_MAJOR": 1, "g2_BLOCK_SIZE_M": 32, "W_TMA": 1}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
      {"g2_PERSISTENT": 4, "g1_GROUP_SIZE_M": 16, "g2_GROUP_SIZE_M": 16}),
 ]
@@ -528,7 +528,8 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (block, {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_BLOCK_SIZE_N": 128}, None),
         (block, {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_BLOCK_SIZE_N": 256}, "128-row scale block"),
         (block, {"g2_PERSISTENT": 2, "g2_N_MAJOR": 1}, None),
-        (qwen3, {"g2_PERSISTENT": 1, "g2_N_TILES": 2}, "g2_N_TILES=2"),
+        (qwen3, {"g2_PERSISTENT": 2, "g2_N_TILES": 2}, "g2_N_TILES=2"),
+        (qwen3, {"g2_PERSISTENT": 2, "g2_N_TILES": 1}, None),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),
