@@ -164,7 +164,8 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     where the layer is gated (under block fp8 also with each half a whole 128-row scale
     block); block fp8 with tiles of 256 columns, spanning two 128-row scale blocks (the
     default's lie in one); GEMM2's programs in column-major order, with one and two tiles per
-    program; GEMM2 on a persistent grid (two and four programs per SM, in either order)."""
+    program; GEMM2 on a persistent grid (two programs per SM walking single tiles, four walking
+    two-tile units in column-major order)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
@@ -177,8 +178,8 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
             for p in _problems() if p.quant is QuantScheme.FP8_BLOCK_128X128]
     column_major = [(p, {"g2_N_MAJOR": 1, **tiles}) for p in _problems()
                     for tiles in ({}, {"g2_N_TILES": 2})]
-    persistent = [(p, {"g2_PERSISTENT": programs, "g2_N_MAJOR": order}) for p in _problems()
-                  for programs, order in ((2, 0), (4, 1))]
+    persistent = [(p, {"g2_PERSISTENT": programs, "g2_N_MAJOR": order, "g2_N_TILES": tiles})
+                  for p in _problems() for programs, order, tiles in ((2, 0, 1), (4, 1, 2))]
     return (reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + pairs + wide
             + column_major + persistent)
 

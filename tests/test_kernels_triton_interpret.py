@@ -390,7 +390,8 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # (9 x 3 pairs in blocks of 16), with a GEMM2 tile of other rows, two tiles per program (the
 # last half empty), through TMA, and top-1. GEMM2 on a persistent grid (``g2_PERSISTENT``: two
 # programs here, each walking several tiles): every reduce, column-major order, a GEMM2 tile of
-# other rows, TMA, top-1 on input, and I=32 in one K step (every step ends a tile).
+# other rows, TMA, top-1 on input, I=32 in one K step (every step ends a tile), and units of two
+# column tiles (H=72: the second tile of the last unit lies past H).
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -419,6 +420,10 @@ GROUPED_CASES = [
      {"g2_N_MAJOR": 1}),
     (MoEProblem(9, 72, 40, 4, 3, dtype="float16"), {"g2_PERSISTENT": 2, "REDUCE": "atomic_out"}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"g2_PERSISTENT": 2, "REDUCE": "sum"}),
+    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"),
+     {"g2_PERSISTENT": 2, "g2_N_TILES": 2, "REDUCE": "atomic_out"}),
+    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"),
+     {"g2_PERSISTENT": 2, "g2_N_TILES": 2, "g2_N_MAJOR": 1, "W_TMA": 1}),
     (MoEProblem(9, 72, 40, 4, 3, dtype="float16"),
      {"g2_PERSISTENT": 4, "g2_N_MAJOR": 1, "g2_BLOCK_SIZE_M": 32, "W_TMA": 1}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
@@ -528,8 +533,9 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (block, {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_BLOCK_SIZE_N": 128}, None),
         (block, {"W_TMA": 1, "g1_PAIR_TMA": 1, "g1_BLOCK_SIZE_N": 256}, "128-row scale block"),
         (block, {"g2_PERSISTENT": 2, "g2_N_MAJOR": 1}, None),
-        (qwen3, {"g2_PERSISTENT": 2, "g2_N_TILES": 2}, "g2_N_TILES=2"),
-        (qwen3, {"g2_PERSISTENT": 2, "g2_N_TILES": 1}, None),
+        (qwen3, {"g2_PERSISTENT": 2, "g2_BLOCK_SIZE_N": 256, "g2_N_TILES": 8}, None),
+        (dataclasses.replace(qwen3, hidden_size=1536),
+         {"g2_PERSISTENT": 2, "g2_BLOCK_SIZE_N": 256, "g2_N_TILES": 8}, "empty"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

@@ -307,24 +307,27 @@ def _gemm2_persistent(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sort
                       stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                       TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                       MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_MAJOR: tl.constexpr,
-                      W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
-    """GEMM2 on a fixed grid: each program walks the tiles ``pid``, ``pid + programs``, ... of
-    the used row blocks in one flattened loop over (tile, K step), so it loads the next tile's
+                      BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
+                      N_MAJOR: tl.constexpr, W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+    """GEMM2 on a fixed grid: each program walks the work units ``pid``, ``pid + programs``, ...
+    (a row block's ``N_TILES`` adjacent column tiles, in ``_gemm2_reduce``'s orders) of the used
+    row blocks in one flattened loop over (unit, tile, K step), so it loads the next tile's
     operands while it reduces this one's; in ``_gemm2_reduce`` a tile of a short K (I =
     192-256: 2-3 steps) waits on its loads with nothing else to do."""
     used_m = tl.cdiv(tl.load(post_ptr), BLOCK_M)
-    num_n = tl.cdiv(H, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), used_m * num_n, tl.num_programs(0), flatten=True):
+    groups_n = tl.cdiv(H, BLOCK_N * N_TILES)
+    for unit in tl.range(tl.program_id(0), used_m * groups_n, tl.num_programs(0), flatten=True):
         if N_MAJOR:
-            pid_m = tile % used_m
-            pid_n = tile // used_m
+            pid_m = unit % used_m
+            pid_g = unit // used_m
         else:
-            pid_m, pid_n = _tile(tile, used_m * BLOCK_M, H, BLOCK_M, BLOCK_N, GROUP_M)
-        _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
-                    sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
-                    stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, TOPK, QUANT,
-                    MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
+            pid_m, pid_g = _tile(unit, used_m * BLOCK_M, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
+        for j in range(0, N_TILES):  # a tile past H loads nothing and stores nothing
+            _gemm2_tile(pid_m, pid_g * N_TILES + j, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr,
+                        out_ptr, sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm,
+                        stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+                        stride_om, TOPK, QUANT, MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
+                        W_TMA, ONE_BLOCK)
 
 
 @triton.jit
@@ -490,9 +493,10 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
                        N_MAJOR=params["g2_N_MAJOR"], W_TMA=w_tma, ONE_BLOCK=one_block2,
                        num_warps=config2["num_warps"], num_stages=config2["num_stages"])
         if persistent:
-            tiles = triton.cdiv(rows2, config2["BLOCK_SIZE_M"]) * triton.cdiv(
-                hidden, config2["BLOCK_SIZE_N"])
-            _gemm2_persistent[(min(tiles, persistent * units),)](*args2, *strides2, **consts2)
+            units2 = triton.cdiv(rows2, config2["BLOCK_SIZE_M"]) * triton.cdiv(
+                hidden, config2["BLOCK_SIZE_N"] * n_tiles)
+            _gemm2_persistent[(min(units2, persistent * units),)](
+                *args2, *strides2, N_TILES=n_tiles, **consts2)
         else:
             launch(_gemm2_reduce, config2, rows2, hidden, n_tiles)(
                 *args2, rows2, *strides2, N_TILES=n_tiles, **consts2)

@@ -48,7 +48,7 @@ N_TILES = (1, 2, 4, 8)
 N_MAJOR = (0, 1)
 #: GEMM2 programs per SM on a fixed (persistent) grid, each walking its tiles in one flattened
 #: loop (``_grouped._gemm2_persistent``) so the next tile's loads overlap this tile's short K
-#: loop and epilogue; 0 launches one program per tile (``g2_N_TILES`` tiles per program). One
+#: loop and epilogue; 0 launches one program per ``g2_N_TILES`` tiles. One
 #: per SM is not offered: with no second program to run while one waits it was 0.786-0.995x of
 #: the table's rows at 12 prefill buckets on the H200, where two per SM were 0.802-1.026x
 #: (``bench/results/persistent-h200-2026-12-04``).
@@ -91,9 +91,6 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if n_tiles > -(-problem.hidden_size // block_n):
             return (f"g2_N_TILES={n_tiles} tiles of {block_n} columns: H={problem.hidden_size} "
                     "leaves some empty in every program")
-        if params["g2_PERSISTENT"] and n_tiles > 1:
-            return (f"g2_PERSISTENT={params['g2_PERSISTENT']} walks every tile in one loop: "
-                    f"g2_N_TILES={n_tiles} groups tiles only for one program per group")
         if params["W_TMA"]:
             reason = tma_reason()
             if reason:
