@@ -268,14 +268,10 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
                     stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, TOPK, QUANT,
                     MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
     else:
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_m)
-        valid = pair < pairs
-        row = pair.to(tl.int64)
-        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+        pair, valid, row, expert, s_base = _row_block(pid_m, sorted_ptr, experts_ptr, pairs,
+                                                      s_ptr, stride_se, BLOCK_M)
         offs_k = tl.arange(0, BLOCK_K)
         w_base = w_ptr + expert * stride_we
-        s_base = s_ptr + expert * stride_se
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         # N_TILES column tiles in one loop over (tile, K step), so the pipeline keeps loading
         # across tiles: with I = 192-256 a tile has only 2-3 K steps to hide its loads behind.
@@ -338,13 +334,9 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_p
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                 W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
     """One (row block ``pid_m``, column tile ``pid_n``) of GEMM2, its rows into the output."""
-    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_m)
-    valid = pair < pairs
-    row = pair.to(tl.int64)
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    pair, valid, row, expert, s_base = _row_block(pid_m, sorted_ptr, experts_ptr, pairs, s_ptr,
+                                                  stride_se, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
-    s_base = s_ptr + expert * stride_se
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
@@ -362,6 +354,15 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_p
         w_ptrs += BLOCK_K * stride_wk
     _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
                     stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT, MUL_WEIGHT, MODE)
+
+
+@triton.jit
+def _row_block(pid_m, sorted_ptr, experts_ptr, pairs, s_ptr, stride_se, BLOCK_M: tl.constexpr):
+    """GEMM2's row block ``pid_m``: its routed pairs (sorted by expert; ``valid`` false on
+    padding), their rows of the intermediate, its expert and that expert's weight scales."""
+    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    return pair, pair < pairs, pair.to(tl.int64), expert, s_ptr + expert * stride_se
 
 
 @triton.jit
