@@ -8,6 +8,7 @@ adapter reads taken from a real instance. Fast: no engine, no model.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from types import SimpleNamespace
 
@@ -344,6 +345,34 @@ def test_fp8_triton_layers_that_never_run_moetune_keep_vllms_quantization(
                       MoEActivation.SILU, E, None, torch.ones(1, H // 128), None, None, None,
                       None, False)
     assert not experts.expects_unquantized_inputs and len(seen) == 2
+
+
+def test_expert_parallel_layers_are_left_to_vllm_with_its_quantization(
+        triton_experts, tmp_path, cpu_sku):
+    """Under expert parallelism vLLM hands a layer its rank's experts and an expert map, which
+    no moetune kernel takes: the layer is left to vLLM, saying why, although the table has
+    winners for its shape, and an fp8 layer keeps vLLM's quantization in the prepare step
+    (which runs before tokens are dispatched to other ranks: switched, they would travel in
+    bf16)."""
+    cls, seen = triton_experts
+    table = write_winners(tmp_path / "t.db", FP8_SHAPE, (1, 8), "torch_grouped", sku=cpu_sku)
+    state = PluginState(Settings(table=table))
+    hook.install(state, (SPECS["TritonExperts"],))
+    config, q = fp8_block_layer()
+    ep = dataclasses.replace(vllm_config.FusedMoEParallelConfig.make_no_parallel(), use_ep=True,
+                             ep_size=2)
+    experts = cls(dataclasses.replace(moe_config(torch.bfloat16, I_FP8), moe_parallel_config=ep),
+                  config)
+    assert experts.moe_config.use_ep
+    for _ in range(2):
+        experts.apply(torch.empty(1, H, dtype=torch.bfloat16),
+                      torch.zeros(1, H, dtype=torch.float8_e4m3fn), q.w13, q.w2,
+                      torch.ones(1, TOPK), torch.zeros(1, TOPK, dtype=torch.int32),
+                      MoEActivation.SILU, E, torch.arange(E, dtype=torch.int32),
+                      torch.ones(1, H // 128), None, None, None, None, False)
+    assert not experts.expects_unquantized_inputs and len(seen) == 2
+    (label,) = state.counts
+    assert "expert parallelism" in label and state.plain_copy_bytes == 0
 
 
 def test_a_quantized_call_to_a_deferring_layer_runs_vllms_apply_not_the_winner(

@@ -43,7 +43,8 @@ class FakeExperts:
 
     def __init__(self, topk: int = TOPK, quantized: bool = False) -> None:
         self.moe_config = SimpleNamespace(activation=SimpleNamespace(value="silu"),
-                                          in_dtype=torch.float32, experts_per_token=topk)
+                                          in_dtype=torch.float32, experts_per_token=topk,
+                                          moe_parallel_config=SimpleNamespace(use_ep=False))
         self.quant_config = SimpleNamespace(is_quantized=quantized,
                                             weight_quant_dtype="fp8" if quantized else None,
                                             gemm1_alpha=None, gemm1_clamp_limit=None)

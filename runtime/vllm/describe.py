@@ -28,6 +28,11 @@ def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor, on_input: bool,
     """The layer's ``Shape``, or None and the reason moetune leaves it to vLLM (``defers``:
     the class can be made to quantize its activations itself, ``ExpertsSpec``)."""
     cfg, qc = experts.moe_config, experts.quant_config
+    if cfg.moe_parallel_config.use_ep:
+        # vLLM hands such a layer its rank's experts and an expert map (or tokens another rank
+        # dispatched), which no moetune kernel takes: every call would fall back, and an fp8
+        # layer switched to unquantized activations would make vLLM dispatch them in bf16.
+        return None, "expert parallelism (the layer's calls carry an expert map)"
     if qc.is_quantized or qc.weight_quant_dtype is not None:
         why = unsupported(experts, defers)
         if why:
