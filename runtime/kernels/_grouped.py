@@ -16,6 +16,8 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    row (``ATOMIC``: into a float32 buffer or the output itself), stores it (``STORE``: top-1,
    nothing to reduce), or stores the (pairs, H) rows a torch sum then reduces (``ROWS``: what
    vLLM does, kept so the search measures the fused reduce against it on every GPU and shape).
+   ``_gemm2_persistent`` runs the same tiles (``_gemm2_tile``) on a fixed grid of a few
+   programs per SM, each walking units of ``N_TILES`` tiles in one flattened loop.
 
 ``W_TMA`` loads both GEMMs' weight tiles through TMA descriptors (made once per prepared call)
 instead of pointers; the activation rows are gathered by routed pair either way.
