@@ -46,11 +46,11 @@ N_TILES = (1, 2, 4, 8)
 #: (``g2_GROUP_SIZE_M`` then unused), so the output columns the fused reduce adds a token's
 #: top-k rows into stay in L2 between them, where (tokens, H) is larger than L2.
 N_MAJOR = (0, 1)
-#: GEMM2 programs per SM on a fixed (persistent) grid, each walking its tiles in one flattened
-#: loop (``_grouped._gemm2_persistent``) so the next tile's loads overlap this tile's short K
-#: loop and epilogue; 0 launches one program per ``g2_N_TILES`` tiles. One
-#: per SM is not offered: with no second program to run while one waits it was 0.786-0.995x of
-#: the table's rows at 12 prefill buckets on the H200, where two per SM were 0.802-1.026x
+#: GEMM2 programs per SM on a fixed (persistent) grid, each walking units of ``g2_N_TILES``
+#: tiles in one flattened loop (``_grouped._gemm2_persistent``) so the next tile's loads overlap
+#: this tile's short K loop and epilogue; 0 launches one program per unit. One per SM is not
+#: offered: with no second program to run while one waits it was 0.786-0.995x of the table's
+#: rows at 12 prefill buckets on the H200, where two per SM were 0.802-1.026x
 #: (``bench/results/persistent-h200-2026-12-04``).
 PERSISTENT = (0, 2, 4)
 

@@ -32,7 +32,7 @@ def describe(experts: Any, w13: torch.Tensor, w2: torch.Tensor, on_input: bool,
         # vLLM hands such a layer its rank's experts and an expert map (or tokens another rank
         # dispatched), which no moetune kernel takes: every call would fall back, and an fp8
         # layer switched to unquantized activations would make vLLM dispatch them in bf16.
-        return None, "expert parallelism (the layer's calls carry an expert map)"
+        return None, "expert parallelism (each rank holds part of the experts)"
     if qc.is_quantized or qc.weight_quant_dtype is not None:
         why = unsupported(experts, defers)
         if why:
