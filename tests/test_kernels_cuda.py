@@ -165,7 +165,9 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     block); block fp8 with tiles of 256 columns, spanning two 128-row scale blocks (the
     default's lie in one); GEMM2's programs in column-major order, with one and two tiles per
     program; GEMM2 on a persistent grid (two programs per SM walking single tiles, four walking
-    two-tile units in column-major order)."""
+    two-tile units in column-major order); GEMM2's activation tiles through TMA from the
+    intermediate in sorted order (GEMM1's row blocks, so GEMM2's are as tall), alone, with TMA weights and two tiles per program, and on the
+    persistent grid, where its rows are 16-byte aligned."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
@@ -180,8 +182,12 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
                     for tiles in ({}, {"g2_N_TILES": 2})]
     persistent = [(p, {"g2_PERSISTENT": programs, "g2_N_MAJOR": order, "g2_N_TILES": tiles})
                   for p in _problems() for programs, order, tiles in ((2, 0, 1), (4, 1, 2))]
+    activations = [(p, {"g2_A_TMA": 1, "g2_BLOCK_SIZE_M": 16, **more}) for p in _problems()
+                   if p.intermediate_size % 16 == 0
+                   for more in ({}, {"W_TMA": 1, "g2_N_TILES": 2}, {"g2_PERSISTENT": 2})
+                   if not more.get("W_TMA") or p.hidden_size % 16 == 0]
     return (reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + pairs + wide
-            + column_major + persistent)
+            + column_major + persistent + activations)
 
 
 @cuda
@@ -335,6 +341,24 @@ def test_activation_quant_matches_torch_per_group(rows, cols, group):
     # land one fp8 step away, nothing more (steps are at most 1/8 of the value).
     assert ((got - reference).abs() <= reference.abs() / 8 + 2 ** -9).all()  # or a subnormal step
     assert (got != reference).float().mean() < 1e-3
+
+
+@cuda
+@needs_gpu
+def test_activation_quant_up_to_a_count_on_the_device():
+    """A padded layout (the sorted intermediate of ``g2_A_TMA``) is quantized up to a count
+    the kernel reads: the rows before it, including those of a program the count cuts (16 rows
+    of 256 per program), are those of a full quantization, per group and per row."""
+    from moetune.runtime.kernels._act_quant import quantize_rows
+
+    x = torch.randn(100, 256, device="cuda", dtype=torch.bfloat16)
+    used = torch.tensor([37], device="cuda", dtype=torch.int32)
+    full_q, full_scale = quantize_rows(x, 128)
+    q, scale = quantize_rows(x, 128, used)
+    assert torch.equal(q[:37].float(), full_q[:37].float())
+    assert torch.equal(scale[:37], full_scale[:37])
+    q2, scale2 = quantize_rows(x, None, used)
+    assert torch.equal(scale2[:37], quantize_rows(x)[1][:37])
 
 
 # --- moetune_decode at the decode sizes and model shapes it is for ------------------------------

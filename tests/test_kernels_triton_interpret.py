@@ -391,7 +391,10 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # last half empty), through TMA, and top-1. GEMM2 on a persistent grid (``g2_PERSISTENT``: two
 # programs here, each walking several tiles): every reduce, column-major order, a GEMM2 tile of
 # other rows, TMA, top-1 on input, I=32 in one K step (every step ends a tile), and units of two
-# column tiles (H=72: the second tile of the last unit lies past H).
+# column tiles (H=72: the second tile of the last unit lies past H). GEMM2's activation tiles
+# through TMA (``g2_A_TMA``: the intermediate in sorted order, padded rows never written): each
+# reduce, top-1 on input, I=40 past the last K step (zeros from the descriptor), several K steps
+# per tile in a loop of two tiles, and the persistent grid.
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -428,6 +431,14 @@ GROUPED_CASES = [
      {"g2_PERSISTENT": 4, "g2_N_MAJOR": 1, "g2_BLOCK_SIZE_M": 32, "W_TMA": 1}),
     (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
      {"g2_PERSISTENT": 4, "g1_GROUP_SIZE_M": 16, "g2_GROUP_SIZE_M": 16}),
+    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"), {"g2_A_TMA": 1, "REDUCE": "atomic_out"}),
+    (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"g2_A_TMA": 1, "REDUCE": "sum"}),
+    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
+     {"g2_A_TMA": 1, "W_TMA": 1}),
+    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"),
+     {"g2_A_TMA": 1, "g2_N_TILES": 2, "g2_N_MAJOR": 1}),
+    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"),
+     {"g2_A_TMA": 1, "g2_PERSISTENT": 2, "g2_N_TILES": 2, "W_TMA": 1}),
 ]
 
 
@@ -536,6 +547,12 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (qwen3, {"g2_PERSISTENT": 2, "g2_BLOCK_SIZE_N": 256, "g2_N_TILES": 8}, None),
         (dataclasses.replace(qwen3, hidden_size=1536),
          {"g2_PERSISTENT": 2, "g2_BLOCK_SIZE_N": 256, "g2_N_TILES": 8}, "empty"),
+        (block, {"g2_A_TMA": 1}, None),
+        (qwen3, {"g2_A_TMA": 1, "g2_BLOCK_SIZE_M": 128, "g1_BLOCK_SIZE_M": 64}, "as they lie"),
+        # fp8 rows of I = 200 elements are 200 B, not a multiple of 16; in bf16 400 B.
+        (dataclasses.replace(block, intermediate_size=200, quant="fp8_per_channel"),
+         {"g2_A_TMA": 1}, "aligned"),
+        (dataclasses.replace(qwen3, intermediate_size=200), {"g2_A_TMA": 1}, None),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

@@ -17,10 +17,15 @@ PROGRAM_ELEMENTS = 4096
 
 
 @triton.jit
-def _quant_kernel(x_ptr, q_ptr, scale_ptr, rows, stride_x, ROWS: tl.constexpr,
+def _quant_kernel(x_ptr, q_ptr, scale_ptr, rows, used_ptr, stride_x, ROWS: tl.constexpr,
                   GROUPS: tl.constexpr, GROUP: tl.constexpr, GROUPS_POW2: tl.constexpr,
-                  GROUP_POW2: tl.constexpr, FP8_MAX: tl.constexpr):
-    """``ROWS`` rows from ``program_id * ROWS``, as (ROWS * GROUPS_POW2) groups of one tile."""
+                  GROUP_POW2: tl.constexpr, FP8_MAX: tl.constexpr, USED: tl.constexpr):
+    """``ROWS`` rows from ``program_id * ROWS``, as (ROWS * GROUPS_POW2) groups of one tile;
+    with ``USED`` only the rows before the count at ``used_ptr``."""
+    if USED:
+        rows = tl.minimum(rows, tl.load(used_ptr))
+        if tl.program_id(0) * ROWS >= rows:
+            return
     i = tl.arange(0, ROWS * GROUPS_POW2)
     row = tl.program_id(0).to(tl.int64) * ROWS + i // GROUPS_POW2
     g = i % GROUPS_POW2
@@ -36,9 +41,12 @@ def _quant_kernel(x_ptr, q_ptr, scale_ptr, rows, stride_x, ROWS: tl.constexpr,
     tl.store(scale_ptr + row * GROUPS + g, scale, mask=live)
 
 
-def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows(x: torch.Tensor, group: int | None = None,
+                  used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """fp8 ``q`` (M, K) and float32 ``scale`` (M, K // group) with ``x ~= q * scale`` per group;
-    ``group=None`` is one group per row. ``x`` must have unit column stride."""
+    ``group=None`` is one group per row. ``x`` must have unit column stride. ``used``: a device
+    scalar counting the leading rows that hold data (a padded layout's rows past it are left
+    unwritten), read by the kernel so the host never waits for it."""
     rows, cols = x.shape
     group = group or cols
     assert x.stride(1) == 1 and cols % group == 0, "quantize_rows needs unit column stride and whole groups"
@@ -48,7 +56,8 @@ def quantize_rows(x: torch.Tensor, group: int | None = None) -> tuple[torch.Tens
     width = triton.next_power_of_2(groups) * triton.next_power_of_2(group)
     per_program = max(1, PROGRAM_ELEMENTS // width)
     _quant_kernel[(triton.cdiv(rows, per_program),)](
-        x, q, scale, rows, x.stride(0), ROWS=per_program, GROUPS=groups, GROUP=group,
-        GROUPS_POW2=triton.next_power_of_2(groups), GROUP_POW2=triton.next_power_of_2(group),
-        FP8_MAX=_FP8_MAX, num_warps=8 if width >= 8192 else 4)
+        x, q, scale, rows, x if used is None else used, x.stride(0), ROWS=per_program,
+        GROUPS=groups, GROUP=group, GROUPS_POW2=triton.next_power_of_2(groups),
+        GROUP_POW2=triton.next_power_of_2(group), FP8_MAX=_FP8_MAX, USED=used is not None,
+        num_warps=8 if width >= 8192 else 4)
     return q, scale

@@ -20,7 +20,9 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    programs per SM, each walking units of ``N_TILES`` tiles in one flattened loop.
 
 ``W_TMA`` loads both GEMMs' weight tiles through TMA descriptors (made once per prepared call)
-instead of pointers; the activation rows are gathered by routed pair either way.
+instead of pointers. GEMM1 gathers its activation rows by token; GEMM2's are gathered by routed
+pair, or with ``A_TMA`` GEMM1 writes the intermediate in sorted order (a row per padded
+position, so a block's rows are adjacent) and GEMM2 loads each tile through a descriptor.
 
 fp8 layers run W8A8 on fp8 tensor cores: activations are quantized per token (per 128-column
 group for block-fp8 weights) before each GEMM, and the epilogue applies the activation and
@@ -180,7 +182,8 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
-               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr, PAIR_TMA: tl.constexpr):
+               ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr, PAIR_TMA: tl.constexpr,
+               SORTED: tl.constexpr):
     if ZERO:  # GEMM2 adds into this buffer
         _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
@@ -242,18 +245,22 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
         act = 0.5 * acc_gate * (1.0 + tl.erf(acc_gate * 0.7071067811865476))
     if GATED:
         act = act * acc_up
-    h_ptrs = h_ptr + pair.to(tl.int64)[:, None] * stride_hm + offs_n[None, :]
+    # Row of the intermediate: the block's own rows (``SORTED``: GEMM2 loads them as one box),
+    # or the routed pair's.
+    h_row = offs_m.to(tl.int64) if SORTED else pair.to(tl.int64)
+    h_ptrs = h_ptr + h_row[:, None] * stride_hm + offs_n[None, :]
     tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
 
 
 @triton.jit
-def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
+def _gemm2_reduce(a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
                   experts_ptr, post_ptr, H, I, pairs, num_rows, stride_am, stride_asm, stride_we,
                   stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                   TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                   MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
-                  N_MAJOR: tl.constexpr, W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                  N_MAJOR: tl.constexpr, W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                  A_TMA: tl.constexpr):
     if N_MAJOR:  # every used row block for one group of columns, then the next group
         used_m = tl.cdiv(tl.load(post_ptr), BLOCK_M)
         pid_m = tl.program_id(0) % used_m
@@ -265,13 +272,13 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
         if pid_m * BLOCK_M >= tl.load(post_ptr):
             return
     if N_TILES == 1:
-        _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
+        _gemm2_tile(pid_m, pid_n, a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
                     sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
                     stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, TOPK, QUANT,
-                    MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
+                    MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK, A_TMA)
     else:
         pair, valid, row, expert, s_base = _row_block(pid_m, sorted_ptr, experts_ptr, pairs,
-                                                      s_ptr, stride_se, BLOCK_M)
+                                                      s_ptr, stride_se, BLOCK_M, A_TMA)
         offs_k = tl.arange(0, BLOCK_K)
         w_base = w_ptr + expert * stride_we
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -284,8 +291,9 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
             offs_n = first_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < H
             mask_k = offs_k < I - k * BLOCK_K
-            a = tl.load(a_ptr + row[:, None] * stride_am + (k * BLOCK_K + offs_k)[None, :],
-                        mask=valid[:, None] & mask_k[None, :], other=0.0)
+            a_ptrs = a_ptr + row[:, None] * stride_am + (k * BLOCK_K + offs_k)[None, :]
+            a = _a_tile(a_desc, a_ptrs, pid_m * BLOCK_M, k * BLOCK_K,
+                        valid[:, None] & mask_k[None, :], A_TMA)
             a_scale, s_step = _step_scales(as_ptr, row * stride_asm, valid, s_base, stride_sk,
                                            k * BLOCK_K, QUANT)
             acc = _k_step(acc, a, a_scale, w_desc, w_base + offs_n[None, :] * stride_wn
@@ -300,13 +308,14 @@ def _gemm2_reduce(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_p
 
 
 @triton.jit
-def _gemm2_persistent(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
+def _gemm2_persistent(a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
                       experts_ptr, post_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
                       stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
                       TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
                       MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
-                      N_MAJOR: tl.constexpr, W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                      N_MAJOR: tl.constexpr, W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                      A_TMA: tl.constexpr):
     """GEMM2 on a fixed grid: each program walks the work units ``pid``, ``pid + programs``, ...
     (a row block's ``N_TILES`` adjacent column tiles, in ``_gemm2_reduce``'s orders) of the used
     row blocks in one flattened loop over (unit, tile, K step), so it loads the next tile's
@@ -321,23 +330,23 @@ def _gemm2_persistent(a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sort
         else:
             pid_m, pid_g = _tile(unit, used_m * BLOCK_M, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
         for j in range(0, N_TILES):  # a tile past H loads nothing and stores nothing
-            _gemm2_tile(pid_m, pid_g * N_TILES + j, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr,
-                        out_ptr, sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm,
-                        stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-                        stride_om, TOPK, QUANT, MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K,
-                        W_TMA, ONE_BLOCK)
+            _gemm2_tile(pid_m, pid_g * N_TILES + j, a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr,
+                        tw_ptr, out_ptr, sorted_ptr, experts_ptr, H, I, pairs, stride_am,
+                        stride_asm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                        stride_sk, stride_om, TOPK, QUANT, MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N,
+                        BLOCK_K, W_TMA, ONE_BLOCK, A_TMA)
 
 
 @triton.jit
-def _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
+def _gemm2_tile(pid_m, pid_n, a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
                 experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wk,
                 stride_se, stride_sn, stride_sk, stride_om, TOPK: tl.constexpr,
                 QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr, MODE: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr, A_TMA: tl.constexpr):
     """One (row block ``pid_m``, column tile ``pid_n``) of GEMM2, its rows into the output."""
     pair, valid, row, expert, s_base = _row_block(pid_m, sorted_ptr, experts_ptr, pairs, s_ptr,
-                                                  stride_se, BLOCK_M)
+                                                  stride_se, BLOCK_M, A_TMA)
     offs_k = tl.arange(0, BLOCK_K)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
@@ -346,7 +355,8 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_p
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k in range(0, tl.cdiv(I, BLOCK_K)):
         mask_k = offs_k < I - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        a = _a_tile(a_desc, a_ptrs, pid_m * BLOCK_M, k * BLOCK_K,
+                    valid[:, None] & mask_k[None, :], A_TMA)
         a_scale, s_step = _step_scales(as_ptr, row * stride_asm, valid, s_base, stride_sk,
                                        k * BLOCK_K, QUANT)
         acc = _k_step(acc, a, a_scale, w_desc, w_ptrs, s_step, expert, pid_n * BLOCK_N,
@@ -359,19 +369,35 @@ def _gemm2_tile(pid_m, pid_n, a_ptr, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_p
 
 
 @triton.jit
-def _row_block(pid_m, sorted_ptr, experts_ptr, pairs, s_ptr, stride_se, BLOCK_M: tl.constexpr):
+def _row_block(pid_m, sorted_ptr, experts_ptr, pairs, s_ptr, stride_se, BLOCK_M: tl.constexpr,
+               SORTED: tl.constexpr):
     """GEMM2's row block ``pid_m``: its routed pairs (sorted by expert; ``valid`` false on
-    padding), their rows of the intermediate, its expert and that expert's weight scales."""
-    pair = tl.load(sorted_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    padding), their rows of the intermediate (the block's own rows where GEMM1 wrote them in
+    sorted order, ``SORTED``; else the pairs'), its expert and that expert's weight scales."""
+    offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs).to(tl.int64)
+    row = offs.to(tl.int64) if SORTED else pair
     expert = tl.load(experts_ptr + pid_m).to(tl.int64)
-    return pair, pair < pairs, pair.to(tl.int64), expert, s_ptr + expert * stride_se
+    return pair, pair < pairs, row, expert, s_ptr + expert * stride_se
+
+
+@triton.jit
+def _a_tile(a_desc, a_ptrs, first_row, first_k, mask, A_TMA: tl.constexpr):
+    """GEMM2's (BLOCK_M, BLOCK_K) activation tile: by the TMA unit through ``a_desc`` (the
+    intermediate in sorted order: the block's rows are adjacent; zeros past I), or gathered by
+    pointers ``a_ptrs`` under ``mask``."""
+    if A_TMA:
+        return a_desc.load([first_row, first_k])
+    else:
+        return tl.load(a_ptrs, mask=mask, other=0.0)
 
 
 @triton.jit
 def _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
                     stride_sn, tw_ptr, out_ptr, stride_om, TOPK: tl.constexpr,
                     QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr, MODE: tl.constexpr):
-    """Scales, the router weight, and the tile's rows into the output (``MODE``)."""
+    """Scales (the activation's at intermediate row ``row``), the router weight, and the tile's
+    rows into the output (``MODE``) by routed pair."""
     if QUANT == 1 or QUANT == 2:
         acc *= tl.load(as_ptr + row * stride_asm, mask=valid, other=0.0)[:, None]
     if QUANT == 1:
@@ -382,14 +408,23 @@ def _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s
         acc *= tl.load(tw_ptr + pair, mask=valid, other=0.0).to(tl.float32)[:, None]
     mask = valid[:, None] & mask_n[None, :]
     if MODE == 2:  # one row per routed pair: a torch sum reduces them
-        tl.store(out_ptr + row[:, None] * stride_om + offs_n[None, :],
+        tl.store(out_ptr + pair[:, None] * stride_om + offs_n[None, :],
                  acc.to(out_ptr.dtype.element_ty), mask=mask)
     else:
-        out_ptrs = out_ptr + (row // TOPK)[:, None] * stride_om + offs_n[None, :]
+        out_ptrs = out_ptr + (pair // TOPK)[:, None] * stride_om + offs_n[None, :]
         if MODE == 0:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         else:
             tl.atomic_add(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask, sem="relaxed")
+
+
+def activation_descriptor(a: torch.Tensor, config: dict[str, int]) -> Any:
+    """A TMA descriptor of GEMM2's (rows, I) intermediate in sorted order, loading
+    (BLOCK_SIZE_M, BLOCK_SIZE_K) tiles: one per call, as the intermediate is made per call."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(a, list(a.shape), list(a.stride()),
+                            [config["BLOCK_SIZE_M"], config["BLOCK_SIZE_K"]])
 
 
 def weight_descriptor(w: torch.Tensor, config: dict[str, int], gate_up: bool = False) -> Any:
@@ -430,7 +465,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     on_input = problem.router_weight_on_input
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
     persistent, units = params["g2_PERSISTENT"], compute_units(w2.device)
-    w_tma, gate_up = params["W_TMA"], params["g1_PAIR_TMA"]
+    w_tma, gate_up, a_tma = params["W_TMA"], params["g1_PAIR_TMA"], params["g2_A_TMA"]
     one_block1 = quant == QUANT_BLOCK and one_block(config1, inter * problem.gated)
     one_block2 = quant == QUANT_BLOCK and one_block(config2, 0)
     d13 = weight_descriptor(w13, config1, gate_up) if w_tma else w13
@@ -444,10 +479,11 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     else:
         mode, buffer = ATOMIC, "float32"
 
-    def quantize(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize(a: torch.Tensor,
+                 used: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if quant == QUANT_NONE:
             return a, a  # the scale pointer is never read
-        return quantize_rows(a, group)
+        return quantize_rows(a, group, used)
 
     def launch(kernel: Any, config: dict[str, int], rows: int, cols: int,
                n_tiles: int = 1) -> Any:
@@ -467,14 +503,16 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
         if out is None:
             out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
         xq, xs = quantize(x)
-        h = torch.empty((pairs, inter), dtype=x.dtype, device=x.device)
+        rows1 = routing1.sorted_token_ids.numel()
+        # In sorted order (``g2_A_TMA``) the intermediate has a row per padded position, and
+        # only the first num_tokens_post_padded hold anything.
+        h = torch.empty((rows1 if a_tma else pairs, inter), dtype=x.dtype, device=x.device)
         if buffer == "rows":
             target = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
         elif buffer == "float32":
             target = torch.empty((m, hidden), dtype=torch.float32, device=x.device)
         else:
             target = out
-        rows1 = routing1.sorted_token_ids.numel()
         launch(_gemm1_act, config1, rows1, inter)(
             xq, xs, w13, d13, s13, weights_flat, h, routing1.sorted_token_ids, routing1.expert_ids,
             routing1.num_tokens_post_padded, target, m, hidden, target.stride(0), hidden, inter,
@@ -482,18 +520,20 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
             BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
             BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
-            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, PAIR_TMA=gate_up,
+            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, PAIR_TMA=gate_up, SORTED=a_tma,
             num_warps=config1["num_warps"],
             num_stages=config1["num_stages"])
-        hq, hs = quantize(h)
+        hq, hs = quantize(h, routing1.num_tokens_post_padded if a_tma else None)
         rows2 = routing2.sorted_token_ids.numel()
-        args2 = (hq, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids,
+        a2 = activation_descriptor(hq, config2) if a_tma else hq
+        args2 = (hq, a2, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids,
                  routing2.expert_ids, routing2.num_tokens_post_padded, hidden, inter, pairs)
         strides2 = (hq.stride(0), hs.stride(0), *w2.stride(), *s2_strides, target.stride(0))
         consts2 = dict(TOPK=topk, QUANT=quant, MUL_WEIGHT=not on_input, MODE=mode,
                        BLOCK_M=config2["BLOCK_SIZE_M"], BLOCK_N=config2["BLOCK_SIZE_N"],
                        BLOCK_K=config2["BLOCK_SIZE_K"], GROUP_M=config2["GROUP_SIZE_M"],
                        N_MAJOR=params["g2_N_MAJOR"], W_TMA=w_tma, ONE_BLOCK=one_block2,
+                       A_TMA=a_tma,
                        num_warps=config2["num_warps"], num_stages=config2["num_stages"])
         if persistent:
             units2 = triton.cdiv(rows2, config2["BLOCK_SIZE_M"]) * triton.cdiv(

@@ -53,6 +53,11 @@ N_MAJOR = (0, 1)
 #: rows at 12 prefill buckets on the H200, where two per SM were 0.802-1.026x
 #: (``bench/results/persistent-h200-2026-12-04``).
 PERSISTENT = (0, 2, 4)
+#: Whether GEMM1 writes the intermediate in sorted order (a row per padded position of its row
+#: blocks) so GEMM2 loads each activation tile through a TMA descriptor, as it does its weights,
+#: instead of gathering the rows by routed pair with pointers (an address and a mask per element
+#: loaded, in registers GEMM2's short K loop has few of: 2-3 steps at I = 192-256).
+A_TMA = (0, 1)
 
 
 class MoetuneGroupedKernel(OwnTritonKernel):
@@ -62,7 +67,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
     name = "moetune_grouped"
     params = config_params("g1_") + config_params("g2_") + (
         Param("g2_N_TILES", N_TILES, default=1), Param("g2_N_MAJOR", N_MAJOR, default=0),
-        Param("g2_PERSISTENT", PERSISTENT, default=0),
+        Param("g2_PERSISTENT", PERSISTENT, default=0), Param("g2_A_TMA", A_TMA, default=0),
         Param("W_TMA", W_TMA, default=0),
         Param("g1_PAIR_TMA", PAIR_TMA, default=0),
         Param("REDUCE", REDUCES))
@@ -99,6 +104,17 @@ class MoetuneGroupedKernel(OwnTritonKernel):
                 if size * element % TMA_ALIGN:
                     return (f"W_TMA=1: weight rows of {name}={size} elements are not "
                             f"{TMA_ALIGN}-byte aligned")
+        if params["g2_A_TMA"]:
+            reason = tma_reason()
+            if reason:
+                return f"g2_A_TMA=1: {reason}"
+            if problem.intermediate_size * element % TMA_ALIGN:
+                return (f"g2_A_TMA=1: intermediate rows of I={problem.intermediate_size} "
+                        f"elements are not {TMA_ALIGN}-byte aligned")
+            m1, m2 = params["g1_BLOCK_SIZE_M"], params["g2_BLOCK_SIZE_M"]
+            if m1 != m2:
+                return (f"g2_A_TMA=1 loads GEMM1's row blocks as they lie: g1_BLOCK_SIZE_M={m1} "
+                        f"!= g2_BLOCK_SIZE_M={m2}")
         if params["g1_PAIR_TMA"]:
             if not params["W_TMA"]:
                 return "g1_PAIR_TMA=1 loads through TMA: it needs W_TMA=1"
@@ -156,7 +172,8 @@ class MoetuneGroupedKernel(OwnTritonKernel):
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
         params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "g2_N_MAJOR": 0,
-                                  "g2_PERSISTENT": 0, "W_TMA": 0, "g1_PAIR_TMA": 0}
+                                  "g2_PERSISTENT": 0, "g2_A_TMA": 0, "W_TMA": 0,
+                                  "g1_PAIR_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)
