@@ -167,7 +167,9 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     program; GEMM2 on a persistent grid (two programs per SM walking single tiles, four walking
     two-tile units in column-major order); GEMM2's activation tiles through TMA from the
     intermediate in sorted order (GEMM1's row blocks, so GEMM2's are as tall), alone, with TMA weights and two tiles per program, and on the
-    persistent grid, where its rows are 16-byte aligned."""
+    persistent grid, where its rows are 16-byte aligned; under block fp8, GEMM1's epilogue
+    writing GEMM2's fp8 input and its scales (tiles of one and two 128-column groups, and with
+    TMA loads of both GEMMs' tiles from the sorted intermediate)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
@@ -186,8 +188,13 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
                    if p.intermediate_size % 16 == 0
                    for more in ({}, {"W_TMA": 1, "g2_N_TILES": 2}, {"g2_PERSISTENT": 2})
                    if not more.get("W_TMA") or p.hidden_size % 16 == 0]
+    fp8_out = [(p, {"g1_FP8_OUT": 1, **more}) for p in _problems()
+               if p.quant is QuantScheme.FP8_BLOCK_128X128
+               for more in ({"g1_BLOCK_SIZE_N": 128}, {"g1_BLOCK_SIZE_N": 256},
+                            {"g1_BLOCK_SIZE_N": 128, "W_TMA": 1, "g1_PAIR_TMA": int(p.gated),
+                             "g2_A_TMA": 1, "g2_BLOCK_SIZE_M": 16})]
     return (reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + pairs + wide
-            + column_major + persistent + activations)
+            + column_major + persistent + activations + fp8_out)
 
 
 @cuda

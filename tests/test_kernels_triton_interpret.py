@@ -444,7 +444,8 @@ GROUPED_CASES = [
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
 def test_grouped_checks_pass_in_a_fresh_process():
-    _checks_pass_in_a_fresh_process("MOETUNE_GROUPED_CHECKS", "grouped", len(GROUPED_CASES) + 2)
+    _checks_pass_in_a_fresh_process("MOETUNE_GROUPED_CHECKS", "grouped",
+                                    len(GROUPED_CASES) + 2 + len(FP8_OUT_CASES))
 
 
 @grouped_interpreted
@@ -454,6 +455,41 @@ def test_grouped_kernel_matches_reference_interpreted(problem, override, cpu_sku
     out = torch.full_like(batch.x, float("nan"))
     assert fn(*batch.args(), out=out) is out
     assert relative_error(out, ref) <= TOLERANCE[problem.dtype.value]
+
+
+# GEMM1's epilogue writing GEMM2's block-fp8 input (``g1_FP8_OUT``): tiles of one and of two
+# 128-column groups (I = 384: the last 256-column tile half past I), with the sorted intermediate
+# and paired gate and up tiles, and with vLLM's separate sum over two GEMM2 tiles per program.
+FP8_OUT_CASES = [
+    {"g1_BLOCK_SIZE_N": 128},
+    {"g1_BLOCK_SIZE_N": 256},
+    {"g1_BLOCK_SIZE_N": 128, "g2_A_TMA": 1, "W_TMA": 1, "g1_PAIR_TMA": 1},
+    {"g1_BLOCK_SIZE_N": 256, "REDUCE": "sum", "g2_N_TILES": 2},
+]
+
+
+@grouped_interpreted
+@pytest.mark.parametrize("override", FP8_OUT_CASES, ids=str)
+def test_grouped_fp8_epilogue_writes_what_the_separate_quantization_would(override):
+    """The interpreter's fp8 rounding is not the GPU's (so fp8 layers are not offered under it,
+    and the CUDA tests hold these against the reference): here the fused epilogue is held
+    against the separate quantization launch at the same tiles, and both against the
+    reference's error level, which a scale written to the wrong row or group exceeds by ten."""
+    problem = MoEProblem(7, 256, 384, 8, 3, dtype="float16", quant="fp8_block_128x128")
+    kernel = default_registry.get("moetune_grouped")
+    params = {**GROUPED, "g2_BLOCK_SIZE_N": 128, "g1_BLOCK_SIZE_K": 64,
+              "g2_BLOCK_SIZE_K": 64, **override}
+    weights = make_weights(problem, "cpu", seed=1)
+    batch = make_batch(problem, "cpu", seed=2)
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    outs = []
+    for fused in (0, 1):
+        point = kernel.validate({**params, "g1_FP8_OUT": fused})
+        assert kernel.check_params(problem, point) is None
+        outs.append(kernel.prepare(problem, point, weights)(*batch.args()))
+    separate, fused = outs
+    assert relative_error(fused, separate) < 0.03  # fp16 rounding before the separate launch
+    assert relative_error(fused, ref) < 1.1 * relative_error(separate, ref) < 0.1
 
 
 @grouped_interpreted
@@ -553,6 +589,11 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (dataclasses.replace(block, intermediate_size=200, quant="fp8_per_channel"),
          {"g2_A_TMA": 1}, "aligned"),
         (dataclasses.replace(qwen3, intermediate_size=200), {"g2_A_TMA": 1}, None),
+        (block, {"g1_FP8_OUT": 1, "g1_BLOCK_SIZE_N": 128}, None),
+        (block, {"g1_FP8_OUT": 1, "g1_BLOCK_SIZE_N": 256, "g1_PAIR_TMA": 0}, None),
+        (block, {"g1_FP8_OUT": 1, "g1_BLOCK_SIZE_N": 64}, "no whole 128-column group"),
+        (qwen3, {"g1_FP8_OUT": 1, "g1_BLOCK_SIZE_N": 128}, "only block-fp8"),
+        (llama4, {"g1_FP8_OUT": 1, "g1_BLOCK_SIZE_N": 128}, "only block-fp8"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 FP8 = torch.float8_e4m3fn
-_FP8_MAX = torch.finfo(FP8).max
+FP8_MAX = torch.finfo(FP8).max
 
 
 #: Elements one program quantizes: a row of a narrow activation (GEMM2's input at I = 256 is
@@ -58,6 +58,6 @@ def quantize_rows(x: torch.Tensor, group: int | None = None,
     _quant_kernel[(triton.cdiv(rows, per_program),)](
         x, q, scale, rows, x if used is None else used, x.stride(0), ROWS=per_program,
         GROUPS=groups, GROUP=group, GROUPS_POW2=triton.next_power_of_2(groups),
-        GROUP_POW2=triton.next_power_of_2(group), FP8_MAX=_FP8_MAX, USED=used is not None,
+        GROUP_POW2=triton.next_power_of_2(group), FP8_MAX=FP8_MAX, USED=used is not None,
         num_warps=8 if width >= 8192 else 4)
     return q, scale

@@ -25,7 +25,8 @@ pair, or with ``A_TMA`` GEMM1 writes the intermediate in sorted order (a row per
 position, so a block's rows are adjacent) and GEMM2 loads each tile through a descriptor.
 
 fp8 layers run W8A8 on fp8 tensor cores: activations are quantized per token (per 128-column
-group for block-fp8 weights) before each GEMM, and the epilogue applies the activation and
+group for block-fp8 weights) before each GEMM, GEMM2's in GEMM1's epilogue with ``FP8_OUT``
+(block fp8, where a tile holds whole groups), and the epilogue applies the activation and
 weight scales (per expert, per output row, or per 128x128 block, where a K step lies inside one
 block column and each output column reads its row block's scale).
 
@@ -175,15 +176,15 @@ def _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H, I, xs_ptr, x
 
 
 @triton.jit
-def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, experts_ptr,
-               post_ptr, zero_ptr, zero_rows, zero_cols, zero_stride, H, I, pairs, num_rows,
-               stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
-               stride_sk, stride_hm,
+def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, hs_ptr, sorted_ptr,
+               experts_ptr, post_ptr, zero_ptr, zero_rows, zero_cols, zero_stride, H, I, pairs,
+               num_rows, stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se,
+               stride_sn, stride_sk, stride_hm, stride_hsm,
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
                ON_INPUT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
                ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr, PAIR_TMA: tl.constexpr,
-               SORTED: tl.constexpr):
+               SORTED: tl.constexpr, FP8_OUT: tl.constexpr, FP8_MAX: tl.constexpr):
     if ZERO:  # GEMM2 adds into this buffer
         _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
@@ -249,7 +250,23 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, sorted_ptr, e
     # or the routed pair's.
     h_row = offs_m.to(tl.int64) if SORTED else pair.to(tl.int64)
     h_ptrs = h_ptr + h_row[:, None] * stride_hm + offs_n[None, :]
+    if FP8_OUT:
+        act, scale = _fp8_groups(act, BLOCK_M, BLOCK_N, FP8_MAX)
+        group = pid_n * (BLOCK_N // 128) + tl.arange(0, BLOCK_N // 128)
+        tl.store(hs_ptr + h_row[:, None] * stride_hsm + group[None, :], scale,
+                 mask=valid[:, None] & (group < I // 128)[None, :])
     tl.store(h_ptrs, act.to(h_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _fp8_groups(act, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, FP8_MAX: tl.constexpr):
+    """``act`` (BLOCK_M, BLOCK_N) in fp8's range with one float32 scale per row per 128
+    columns, as ``_act_quant`` computes them (amax over 448, never below a tiny floor): GEMM2's
+    block-fp8 input made in GEMM1's epilogue, so no bf16 intermediate is written and re-read."""
+    groups = act.reshape(BLOCK_M, BLOCK_N // 128, 128)
+    scale = tl.maximum(tl.max(tl.abs(groups), 2), 1e-12) / FP8_MAX
+    q = tl.clamp(groups / scale[:, :, None], -FP8_MAX, FP8_MAX)
+    return q.reshape(BLOCK_M, BLOCK_N), scale
 
 
 @triton.jit
@@ -452,7 +469,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     """The prepared call (``moetune_grouped``'s parameter names): routing once per distinct
     BLOCK_SIZE_M, activation quantization for fp8, both GEMMs, and the reduce
     ``params["REDUCE"]`` picks (top-1 stores its rows directly)."""
-    from moetune.runtime.kernels._act_quant import quantize_rows
+    from moetune.runtime.kernels._act_quant import FP8, FP8_MAX, quantize_rows
 
     config1, config2 = config_of(params, "g1_"), config_of(params, "g2_")
     num_experts, hidden, inter = weights.w2.shape
@@ -466,6 +483,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
     persistent, units = params["g2_PERSISTENT"], compute_units(w2.device)
     w_tma, gate_up, a_tma = params["W_TMA"], params["g1_PAIR_TMA"], params["g2_A_TMA"]
+    fp8_out = params["g1_FP8_OUT"]
     one_block1 = quant == QUANT_BLOCK and one_block(config1, inter * problem.gated)
     one_block2 = quant == QUANT_BLOCK and one_block(config2, 0)
     d13 = weight_descriptor(w13, config1, gate_up) if w_tma else w13
@@ -506,7 +524,11 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
         rows1 = routing1.sorted_token_ids.numel()
         # In sorted order (``g2_A_TMA``) the intermediate has a row per padded position, and
         # only the first num_tokens_post_padded hold anything.
-        h = torch.empty((rows1 if a_tma else pairs, inter), dtype=x.dtype, device=x.device)
+        h_rows = rows1 if a_tma else pairs
+        h = torch.empty((h_rows, inter), dtype=FP8 if fp8_out else x.dtype, device=x.device)
+        # GEMM1 writes the scales too (``g1_FP8_OUT``); else ``h`` stands in, never read.
+        hs = (torch.empty((h_rows, inter // SCALE_BLOCK), dtype=torch.float32, device=x.device)
+              if fp8_out else h)
         if buffer == "rows":
             target = torch.empty((pairs, hidden), dtype=x.dtype, device=x.device)
         elif buffer == "float32":
@@ -514,16 +536,18 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
         else:
             target = out
         launch(_gemm1_act, config1, rows1, inter)(
-            xq, xs, w13, d13, s13, weights_flat, h, routing1.sorted_token_ids, routing1.expert_ids,
-            routing1.num_tokens_post_padded, target, m, hidden, target.stride(0), hidden, inter,
-            pairs, rows1, xq.stride(0), xs.stride(0), *w13.stride(), *s13_strides, h.stride(0),
+            xq, xs, w13, d13, s13, weights_flat, h, hs, routing1.sorted_token_ids,
+            routing1.expert_ids, routing1.num_tokens_post_padded, target, m, hidden,
+            target.stride(0), hidden, inter, pairs, rows1, xq.stride(0), xs.stride(0),
+            *w13.stride(), *s13_strides, h.stride(0), hs.stride(0),
             TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
             BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
             BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
             ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, PAIR_TMA=gate_up, SORTED=a_tma,
-            num_warps=config1["num_warps"],
+            FP8_OUT=fp8_out, FP8_MAX=FP8_MAX, num_warps=config1["num_warps"],
             num_stages=config1["num_stages"])
-        hq, hs = quantize(h, routing1.num_tokens_post_padded if a_tma else None)
+        hq, hs = ((h, hs) if fp8_out
+                  else quantize(h, routing1.num_tokens_post_padded if a_tma else None))
         rows2 = routing2.sorted_token_ids.numel()
         a2 = activation_descriptor(hq, config2) if a_tma else hq
         args2 = (hq, a2, hs, w2, d2, s2, weights_flat, target, routing2.sorted_token_ids,

@@ -58,6 +58,10 @@ PERSISTENT = (0, 2, 4)
 #: instead of gathering the rows by routed pair with pointers (an address and a mask per element
 #: loaded, in registers GEMM2's short K loop has few of: 2-3 steps at I = 192-256).
 A_TMA = (0, 1)
+#: Whether GEMM1's epilogue writes GEMM2's block-fp8 input itself (fp8 rows, one scale per 128
+#: columns) instead of bf16 rows that a separate launch quantizes: one launch and a bf16 write
+#: and read of the (pairs, I) intermediate less, for tiles of whole 128-column groups.
+FP8_OUT = (0, 1)
 
 
 class MoetuneGroupedKernel(OwnTritonKernel):
@@ -68,6 +72,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
     params = config_params("g1_") + config_params("g2_") + (
         Param("g2_N_TILES", N_TILES, default=1), Param("g2_N_MAJOR", N_MAJOR, default=0),
         Param("g2_PERSISTENT", PERSISTENT, default=0), Param("g2_A_TMA", A_TMA, default=0),
+        Param("g1_FP8_OUT", FP8_OUT, default=0),
         Param("W_TMA", W_TMA, default=0),
         Param("g1_PAIR_TMA", PAIR_TMA, default=0),
         Param("REDUCE", REDUCES))
@@ -125,6 +130,14 @@ class MoetuneGroupedKernel(OwnTritonKernel):
             if problem.quant is QuantScheme.FP8_BLOCK_128X128 and rows % block_n:
                 return (f"g1_PAIR_TMA=1: a tile's gate half (g1_BLOCK_SIZE_N={block_n}) spans "
                         f"more than one {rows}-row scale block")
+        if params["g1_FP8_OUT"]:
+            if problem.quant is not QuantScheme.FP8_BLOCK_128X128:
+                return ("g1_FP8_OUT=1 writes GEMM2's input with a scale per 128 columns: only "
+                        "block-fp8 layers quantize it so (others per row, across all of I)")
+            block_n = params["g1_BLOCK_SIZE_N"]
+            if block_n % QUANT_BLOCK[1]:
+                return (f"g1_FP8_OUT=1: a tile of g1_BLOCK_SIZE_N={block_n} columns holds no whole "
+                        f"{QUANT_BLOCK[1]}-column group to scale")
         reduce = params["REDUCE"]
         if problem.topk == 1 and reduce != "atomic":
             return f"top-1 stores its rows directly: REDUCE={reduce} changes nothing"
@@ -172,8 +185,8 @@ class MoetuneGroupedKernel(OwnTritonKernel):
             g1["BLOCK_SIZE_N"] = max(cls.choices("g1_BLOCK_SIZE_N")[0], g1["BLOCK_SIZE_N"] // 2)
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
         params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "g2_N_MAJOR": 0,
-                                  "g2_PERSISTENT": 0, "g2_A_TMA": 0, "W_TMA": 0,
-                                  "g1_PAIR_TMA": 0}
+                                  "g2_PERSISTENT": 0, "g2_A_TMA": 0, "g1_FP8_OUT": 0,
+                                  "W_TMA": 0, "g1_PAIR_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
             params |= with_prefix(config, prefix)
