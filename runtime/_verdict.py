@@ -103,6 +103,14 @@ def row_problem(row: WinnerRecord, registry: Registry = default_registry) -> str
     return _validated(row, registry)[2]
 
 
+def row_point(row: WinnerRecord,
+              registry: Registry = default_registry) -> tuple[MoEProblem, dict[str, Any]] | None:
+    """The row's problem and its params as the kernel validates them today, or None where
+    ``row_problem`` refuses the row."""
+    problem, params, invalid = _validated(row, registry)
+    return None if invalid is not None else (problem, params)
+
+
 def _validated(row: WinnerRecord, registry: Registry) -> tuple[
         MoEProblem | None, dict[str, Any] | None, str | None]:
     """The row's problem and checked params, or why it has none (the problem when known)."""

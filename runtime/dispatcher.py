@@ -17,15 +17,15 @@ from typing import Any
 from moetune.db import WinnerReader
 from moetune.errors import MoetuneError
 from moetune.runtime._table_rows import NO_ROWS, ShapeRows, TableRows
-from moetune.runtime._verdict import RowVerdict, Selection, row_problem, row_verdict
+from moetune.runtime._verdict import RowVerdict, Selection, row_point, row_problem, row_verdict
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.platform import SKU, environment, environment_mismatches
 from moetune.runtime.problem import MoEProblem, Shape, nearest
 from moetune.runtime.registry import Registry, default_registry
 from moetune.runtime.rules import is_rule_pick, rule_choice
 
-__all__ = ["Dispatcher", "RowVerdict", "Selection", "TableStatus", "row_problem", "row_verdict",
-           "shipped_table"]
+__all__ = ["Dispatcher", "RowVerdict", "Selection", "TableStatus", "row_point", "row_problem",
+           "row_verdict", "shipped_table"]
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
 

@@ -1,5 +1,6 @@
 """The search, the gate and the confirmation round, on real CPU kernels and Optuna."""
 
+import dataclasses
 from typing import Any
 
 import pytest
@@ -14,7 +15,7 @@ from moetune.runtime.rules import rule_choice, rule_variants
 from moetune.tuner.confirm import confirm
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.measure import Measurer, Status
-from moetune.tuner.bucket import _known_results
+from moetune.tuner.bucket import _known_results, _neighbour_winners
 from moetune.tuner.search import search
 
 
@@ -454,3 +455,62 @@ def test_skip_tuned_leaves_buckets_with_a_current_measured_winner(tmp_path, cpu_
     assert again[0].skipped.startswith("already tuned (run 1: ") and again[0].measured == 0
     assert again[1].skipped is None and again[1].decision is not None
     assert {r.bucket["num_tokens"]: r.run_id for r in db.read_winners(path).rows} == {1: 1, 8: 2}
+
+
+class NeedleKernel(AnyDeviceKernel):
+    """Correct everywhere, 20 ms slower everywhere but at one point of 16 (not its seed)."""
+
+    name = "needle"
+    params = (Param("a", tuple(range(4))), Param("b", tuple(range(4))))
+    NEEDLE = {"a": 3, "b": 1}
+
+    @classmethod
+    def seed_params(cls, problem, sku):
+        return {"a": 0, "b": 0}
+
+    @classmethod
+    def prepare(cls, problem, params, weights):
+        import time
+        ref = TorchDenseKernel.prepare(problem, {"chunk_tokens": 512}, weights)
+        slow = params != cls.NEEDLE
+
+        def run(x, w, ids):
+            if slow:
+                time.sleep(0.02)
+            return ref(x, w, ids)
+        return run
+
+
+def test_a_bucket_search_measures_the_starts_it_is_given(small_problem, cpu_sku):
+    """A start the sampler would not reach on a budget of one trial is measured; one of a
+    kernel that is no candidate here is left out."""
+    registry = _only(rule_choice(small_problem, cpu_sku).kernel, NeedleKernel)
+    measurer = Measurer(small_problem, "cpu", registry, reps=2)
+    cands = registry.candidates(small_problem, cpu_sku)
+    results = search(small_problem, cpu_sku, measurer, cands, trials=1, refine=0,
+                     starts=[("needle", NeedleKernel.NEEDLE), ("not_a_candidate", {})])
+    needle = results[("needle", params_key(NeedleKernel.NEEDLE))]
+    assert needle.status is Status.OK
+    assert len(results) <= 3  # the rule's pick, the needle's seed and the start
+
+
+def _winner(problem: MoEProblem, sku_row: dict, params: dict, source: str = "measured"):
+    return db.WinnerRecord(sku_row, problem.to_row(), "needle", params, 1.0, 1.0, 1.0, 0.0,
+                           "vllm_cpu_experts", {}, 2.0, 2.0, 1, source)
+
+
+def test_neighbouring_winners_are_the_nearest_of_the_same_shape_and_device(cpu_sku):
+    shape = MoEProblem(16, 64, 96, 8, 2, dtype="float32")
+    at = lambda m, **change: dataclasses.replace(shape, num_tokens=m, **change)
+    here, there = cpu_sku.to_row(), {**cpu_sku.to_row(), "name": "another CPU"}
+    rows = [_winner(at(4), here, {"a": 0, "b": 0}), _winner(at(8), here, {"a": 1, "b": 0}),
+            _winner(at(12, hidden_size=128), here, {"a": 2, "b": 0}),  # another shape
+            _winner(at(12), there, {"a": 2, "b": 1}),  # another device
+            _winner(at(14), here, {"a": 2, "b": 2}, source="vllm-json"),  # not measured here
+            _winner(at(15), here, {"a": 9, "b": 0}),  # outside today's space
+            _winner(at(32), here, {"a": 3, "b": 0}), _winner(at(64), here, {"a": 3, "b": 3})]
+    registry = _only(rule_choice(shape, cpu_sku).kernel, NeedleKernel)
+    assert _neighbour_winners(rows, cpu_sku, shape, registry) == [
+        ("needle", {"a": 1, "b": 0}), ("needle", {"a": 3, "b": 0})]
+    assert _neighbour_winners(rows, cpu_sku, at(2), registry) == [("needle", {"a": 0, "b": 0})]
+    assert _neighbour_winners(rows, cpu_sku, at(16, topk=4), registry) == []

@@ -15,7 +15,7 @@ best's tiles (bench/results/grouped-h200-2026-12-02)."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import optuna
 
@@ -43,6 +43,7 @@ PEER_MARGIN = 1.10
 def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidates: list[type[BaseKernel]],
            *, trials: int, refine: int = REFINE, seed: int = 0,
            known: dict[Key, Result] | None = None,
+           starts: Sequence[tuple[str, dict[str, Any]]] = (),
            storage: optuna.storages.BaseStorage | str | None = None,
            compiler: CompilePool | None = None,
            progress: Callable[[], None] | None = None) -> dict[Key, Result]:
@@ -50,8 +51,9 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     ``refine`` more by a local search from the best.
 
     The rule's pick is enqueued first, then every other kernel's seed configuration (so each
-    family is measured at least once at a sensible point before the sampler specializes; these
-    starts are measured even where ``trials`` is smaller); a
+    family is measured at least once at a sensible point before the sampler specializes), then
+    ``starts`` (the winners of neighbouring buckets); these starts are measured even where
+    ``trials`` is smaller; a
     rule's pick outside the search space (a vLLM tuned-file config) is measured after the
     sampler's trials.
     Configurations pruned before running and repeats do not use up the budget.
@@ -74,6 +76,8 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
 
     Args:
         known: results measured earlier (a resumed job); they are told to Optuna, not re-timed.
+        starts: (kernel, params) to measure among the first; those of kernels that are not
+            candidates here, or outside their space, are left out.
         progress: called after each trial (a progress bar's advance).
 
     Returns:
@@ -88,10 +92,11 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
                                          constant_liar=batch > 1)
     study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
                                 study_name=f"moetune:{problem.describe()}", load_if_exists=True)
-    starts = [(v.kernel, v.params) for v in variants] + [
-        (k.name, k.seed_params(problem, sku)) for k in candidates if k.name != rule.kernel]
+    firsts = [(v.kernel, v.params) for v in variants] + [
+        (k.name, k.seed_params(problem, sku)) for k in candidates if k.name != rule.kernel] + [
+        (name, params) for name, params in starts if name in by_name]
     enqueued = 0
-    for name, params in starts:  # the rule's pick may lie outside the space: measured anyway
+    for name, params in firsts:  # the rule's pick may lie outside the space: measured anyway
         if params is not None and by_name[name].searchable(params):
             study.enqueue_trial({"kernel": name, **{f"{name}.{k}": v for k, v in params.items()}})
             enqueued += 1
