@@ -617,6 +617,18 @@ def test_tma_variant_is_refused_where_the_device_has_no_tma_unit(monkeypatch):
     assert verdicts[(9, 0)] is None
     assert "sm_90" in verdicts[(8, 0)] and "sm_80" in verdicts[(8, 0)]
     assert "ROCm" in verdicts[(9, 4)]
+    # moetune_grouped's descriptor loads (weights, GEMM2's activations) say so at that point.
+    from moetune.runtime.kernels import moetune_grouped
+
+    monkeypatch.undo()  # a CPU again, but for the reason
+    monkeypatch.setattr(moetune_grouped, "tma_reason", lambda: verdicts[(9, 4)])
+    kernel = default_registry.get("moetune_grouped")
+    problem = MoEProblem(2048, 2048, 768, 128, 8)
+    seed = {**kernel.seed_params(problem, H100), "W_TMA": 0, "g1_PAIR_TMA": 0}
+    assert kernel.check_params(problem, seed) is None
+    for name in ("W_TMA", "g2_A_TMA"):
+        why = kernel.check_params(problem, {**seed, name: 1})
+        assert why == f"{name}=1: {verdicts[(9, 4)]}"
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
