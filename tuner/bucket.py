@@ -161,11 +161,11 @@ def _record(r: Result) -> db.MeasurementRecord:
 
 def _neighbour_winners(rows: Iterable[db.WinnerRecord], sku: SKU, problem: MoEProblem,
                        registry: Registry) -> list[tuple[str, dict[str, Any]]]:
-    """The table's (``rows``) measured winners on ``sku`` for ``problem``'s shape at the nearest smaller
-    and the nearest larger num_tokens (params as validated today), for the search to measure
-    early: tiles that win one bucket often win the next, and a search from the rule's pick and
-    each family's seed alone missed them (on the H200 a re-tune from another sampler seed found
-    DeepSeek-V3 rows at 1536-4096 tokens 4-8% faster than the table's)."""
+    """The measured winners among a table's ``rows`` on ``sku`` for ``problem``'s shape at the
+    nearest smaller and the nearest larger num_tokens (params as validated today), for the
+    search to measure early: tiles that win one bucket often win the next, and a search from
+    the rule's pick and each family's seed alone missed them (on the H200 a re-tune from another
+    sampler seed found DeepSeek-V3 rows at 1536-4096 tokens 4-8% faster than the table's)."""
     shape = dataclasses.replace(problem, num_tokens=1)
     below: tuple[int, str, dict[str, Any]] | None = None
     above: tuple[int, str, dict[str, Any]] | None = None

@@ -12,10 +12,11 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    tiles in one loop over (tile, K step) so that loads stay in flight across tiles when I is
    short; with ``N_MAJOR`` the programs take every block of pairs for one group of columns
    before the next (so the output columns the reduce adds into stay in L2), else
-   ``GROUP_M`` blocks at a time across all of H. The epilogue multiplies the router weight and adds each row into its token's output
-   row (``ATOMIC``: into a float32 buffer or the output itself), stores it (``STORE``: top-1,
-   nothing to reduce), or stores the (pairs, H) rows a torch sum then reduces (``ROWS``: what
-   vLLM does, kept so the search measures the fused reduce against it on every GPU and shape).
+   ``GROUP_M`` blocks at a time across all of H. The epilogue multiplies the router weight
+   and adds each row into its token's output row (``ATOMIC``: into a float32 buffer or the
+   output itself), stores it (``STORE``: top-1, nothing to reduce), or stores the (pairs, H)
+   rows a torch sum then reduces (``ROWS``: what vLLM does, kept so the search measures the
+   fused reduce against it on every GPU and shape).
    ``_gemm2_persistent`` runs the same tiles (``_gemm2_tile``) on a fixed grid of a few
    programs per SM, each walking units of ``N_TILES`` tiles in one flattened loop.
 
@@ -355,12 +356,13 @@ def _gemm2_persistent(a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_p
 
 
 @triton.jit
-def _gemm2_tile(pid_m, pid_n, a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, sorted_ptr,
-                experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we, stride_wn, stride_wk,
-                stride_se, stride_sn, stride_sk, stride_om, TOPK: tl.constexpr,
-                QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr, MODE: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr, A_TMA: tl.constexpr):
+def _gemm2_tile(pid_m, pid_n, a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
+                sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
+                stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
+                TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
+                MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr, W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr,
+                A_TMA: tl.constexpr):
     """One (row block ``pid_m``, column tile ``pid_n``) of GEMM2, its rows into the output."""
     pair, valid, row, expert, s_base = _row_block(pid_m, sorted_ptr, experts_ptr, pairs, s_ptr,
                                                   stride_se, BLOCK_M, A_TMA)
