@@ -7,7 +7,7 @@ import torch
 import triton
 from triton.testing import do_bench_cudagraph
 
-from moetune.runtime.kernels._act_quant import FP8_MAX, FP8, _quant_kernel, quantize_rows
+from moetune.runtime.kernels._act_quant import _FP8_MAX, FP8, _quant_kernel, quantize_rows
 
 CASES = [("DeepSeek-V3 4096: GEMM2 input", 32768, 256, 128),
          ("DeepSeek-V3 4096: GEMM1 input", 4096, 7168, 128),
@@ -25,7 +25,7 @@ def one_row_per_program(x, group):
     width = triton.next_power_of_2(groups) * triton.next_power_of_2(group)
     _quant_kernel[(rows,)](x, q, scale, rows, x.stride(0), ROWS=1, GROUPS=groups, GROUP=group,
                            GROUPS_POW2=triton.next_power_of_2(groups),
-                           GROUP_POW2=triton.next_power_of_2(group), FP8_MAX=FP8_MAX,
+                           GROUP_POW2=triton.next_power_of_2(group), FP8_MAX=_FP8_MAX,
                            num_warps=8 if width >= 8192 else 4)
     return q, scale
 
