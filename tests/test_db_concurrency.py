@@ -100,7 +100,9 @@ def test_two_jobs_on_overlapping_buckets_tune_each_bucket_once(tmp_path):
     for m in (4, 8, 16):  # tuned by one job; the other left it or re-confirmed it
         (skip_a, n_a), (skip_b, n_b) = outcomes[first][m], outcomes[second][m]
         assert {skip_a, skip_b} <= {None, "another job is tuning it"}
-        assert (skip_a is None or skip_b is None) and min(n_a, n_b) == 0 and max(n_a, n_b) > 0
+        # Re-confirming, a job measures nothing again; at most the winners of the two
+        # neighbouring buckets, where those were published after the other job's search.
+        assert (skip_a is None or skip_b is None) and min(n_a, n_b) <= 2 and max(n_a, n_b) > 0
 
 
 def _hold_write(path: Path) -> subprocess.Popen[str]:
