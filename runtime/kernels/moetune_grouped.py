@@ -102,20 +102,15 @@ class MoetuneGroupedKernel(OwnTritonKernel):
             return (f"g2_N_TILES={n_tiles} tiles of {block_n} columns: H={problem.hidden_size} "
                     "leaves some empty in every program")
         if params["W_TMA"]:
-            reason = tma_reason()
+            reason = _tma_rows_reason("W_TMA=1: weight", element, H=problem.hidden_size,
+                                      I=problem.intermediate_size)
             if reason:
-                return f"W_TMA=1: {reason}"
-            for name, size in (("H", problem.hidden_size), ("I", problem.intermediate_size)):
-                if size * element % TMA_ALIGN:
-                    return (f"W_TMA=1: weight rows of {name}={size} elements are not "
-                            f"{TMA_ALIGN}-byte aligned")
+                return reason
         if params["g2_A_TMA"]:
-            reason = tma_reason()
+            reason = _tma_rows_reason("g2_A_TMA=1: intermediate", element,
+                                      I=problem.intermediate_size)
             if reason:
-                return f"g2_A_TMA=1: {reason}"
-            if problem.intermediate_size * element % TMA_ALIGN:
-                return (f"g2_A_TMA=1: intermediate rows of I={problem.intermediate_size} "
-                        f"elements are not {TMA_ALIGN}-byte aligned")
+                return reason
             m1, m2 = params["g1_BLOCK_SIZE_M"], params["g2_BLOCK_SIZE_M"]
             if m1 != m2:
                 return (f"g2_A_TMA=1 loads GEMM1's row blocks as they lie: g1_BLOCK_SIZE_M={m1} "
@@ -207,3 +202,15 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         from moetune.runtime.kernels._grouped import launcher
 
         return launcher(problem, params, weights)
+
+
+def _tma_rows_reason(what: str, element: int, **sizes: int) -> str | None:
+    """Why TMA cannot load ``what``'s rows (``sizes``: row length per name, ``element`` bytes
+    each), prefixed by ``what``'s parameter: no TMA unit here, or rows not 16-byte aligned."""
+    reason = tma_reason()
+    if reason:
+        return f"{what.split(':')[0]}: {reason}"
+    for name, size in sizes.items():
+        if size * element % TMA_ALIGN:
+            return f"{what} rows of {name}={size} elements are not {TMA_ALIGN}-byte aligned"
+    return None
