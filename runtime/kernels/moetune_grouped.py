@@ -242,7 +242,11 @@ def _a_once_reason(problem: MoEProblem, params: dict[str, Any], element: int) ->
     if steps > A_ONCE_MAX_STEPS:
         return (f"g2_A_ONCE=1 holds all of I={problem.intermediate_size} in at most "
                 f"{A_ONCE_MAX_STEPS} K steps: g2_BLOCK_SIZE_K={block_k} needs {steps}")
-    need = element * steps * block_k * (block_m + params["g2_num_stages"] * block_n)
+    # The activation block, num_stages weight tiles per K step, and the epilogue's own scratch
+    # (it runs inside the loop, so it cannot reuse the pipeline's buffers): at most 2 B per
+    # output element of the tile in Triton 3.6's sm_90 compiles (``a-once-h200-2026-12-05``).
+    need = (element * steps * block_k * (block_m + params["g2_num_stages"] * block_n)
+            + 2 * block_m * block_n)
     if need > shared_memory_limit():
         return (f"g2_A_ONCE=1: needs {need} B of shared memory, the GPU has "
                 f"{shared_memory_limit()} B per block")
