@@ -169,9 +169,7 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
     intermediate in sorted order (GEMM1's row blocks, so GEMM2's are as tall), alone, with TMA weights and two tiles per program, and on the
     persistent grid, where its rows are 16-byte aligned; under block fp8, GEMM1's epilogue
     writing GEMM2's fp8 input and its scales (tiles of one and two 128-column groups, and with
-    TMA loads of both GEMMs' tiles from the sorted intermediate); GEMM2's activation rows
-    loaded once for two tiles per program (I in one or two K steps, the second past I where
-    I = 96), also through TMA from the sorted intermediate."""
+    TMA loads of both GEMMs' tiles from the sorted intermediate)."""
     reduces = [(p, {"REDUCE": r}) for p in _problems() if p.topk > 1 and p.dtype.value != "float32"
                for r in ("atomic_out", "sum")]
     tma = [(p, {"W_TMA": 1, **tiles}) for p in _problems() if p.hidden_size % 16 == 0
@@ -195,15 +193,8 @@ def _grouped_variants() -> list[tuple[MoEProblem, dict]]:
                for more in ({"g1_BLOCK_SIZE_N": 128}, {"g1_BLOCK_SIZE_N": 256},
                             {"g1_BLOCK_SIZE_N": 128, "W_TMA": 1, "g1_PAIR_TMA": int(p.gated),
                              "g2_A_TMA": 1, "g2_BLOCK_SIZE_M": 16})]
-    a_once = [(p, {"g2_A_ONCE": 1, "g2_N_TILES": 2, **more}) for p in _problems()
-              if p.intermediate_size <= 256
-              for more in ({"g2_BLOCK_SIZE_K": 128}, {"g2_BLOCK_SIZE_K": 64},
-                           {"g2_BLOCK_SIZE_K": 128, "W_TMA": 1, "g2_A_TMA": 1,
-                            "g2_BLOCK_SIZE_M": 16})
-              if more["g2_BLOCK_SIZE_K"] * 2 >= p.intermediate_size
-              and (not more.get("W_TMA") or p.hidden_size % 16 == 0)]
     return (reduces + [(p, {"g2_N_TILES": 2}) for p in _problems()] + tma + pairs + wide
-            + column_major + persistent + activations + fp8_out + a_once)
+            + column_major + persistent + activations + fp8_out)
 
 
 @cuda

@@ -394,10 +394,7 @@ GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "
 # column tiles (H=72: the second tile of the last unit lies past H). GEMM2's activation tiles
 # through TMA (``g2_A_TMA``: the intermediate in sorted order, padded rows never written): each
 # reduce, top-1 on input, I=40 past the last K step (zeros from the descriptor), several K steps
-# per tile in a loop of two tiles, and the persistent grid. A GEMM2 program's activation rows
-# loaded once for its tiles (``g2_A_ONCE``): I=40 in two K steps (the second past I), I=32 and
-# I=48 in one and two full ones, the last program's second tile past H=72, each reduce, top-1 on
-# input through TMA, and from the sorted intermediate in column-major order.
+# per tile in a loop of two tiles, and the persistent grid.
 GROUPED_CASES = [
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {}),
     (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"REDUCE": "sum"}),
@@ -442,15 +439,6 @@ GROUPED_CASES = [
      {"g2_A_TMA": 1, "g2_N_TILES": 2, "g2_N_MAJOR": 1}),
     (MoEProblem(9, 72, 40, 4, 3, dtype="float16"),
      {"g2_A_TMA": 1, "g2_PERSISTENT": 2, "g2_N_TILES": 2, "W_TMA": 1}),
-    (MoEProblem(7, 72, 40, 4, 3, dtype="float16"),
-     {"g2_A_ONCE": 1, "g2_N_TILES": 2, "REDUCE": "atomic_out"}),
-    (MoEProblem(5, 64, 32, 8, 2, dtype="float32"), {"g2_A_ONCE": 1, "g2_N_TILES": 2, "REDUCE": "sum"}),
-    (MoEProblem(6, 64, 48, 8, 2, dtype="float32", activation="gelu", gated=False),
-     {"g2_A_ONCE": 1, "g2_N_TILES": 2}),
-    (MoEProblem(4, 48, 40, 8, 1, dtype="float16", router_weight_on_input=True),
-     {"g2_A_ONCE": 1, "g2_N_TILES": 2, "W_TMA": 1}),
-    (MoEProblem(9, 72, 40, 4, 3, dtype="float16"),
-     {"g2_A_ONCE": 1, "g2_N_TILES": 2, "g2_A_TMA": 1, "g2_N_MAJOR": 1}),
 ]
 
 
@@ -606,18 +594,6 @@ def test_grouped_constraints_drop_what_cannot_fit_or_repeats_another_point():
         (block, {"g1_FP8_OUT": 1, "g1_BLOCK_SIZE_N": 64}, "no whole 128-column group"),
         (qwen3, {"g1_FP8_OUT": 1, "g1_BLOCK_SIZE_N": 128}, "only block-fp8"),
         (llama4, {"g1_FP8_OUT": 1, "g1_BLOCK_SIZE_N": 128}, "only block-fp8"),
-        (block, {"g2_A_ONCE": 1, "g2_N_TILES": 2, "g2_BLOCK_SIZE_K": 128}, None),
-        (block, {"g2_A_ONCE": 1, "g2_N_TILES": 1}, "there is one"),
-        (block, {"g2_A_ONCE": 1, "g2_N_TILES": 2, "g2_PERSISTENT": 2}, "persistent"),
-        (block, {"g2_A_ONCE": 1, "g2_N_TILES": 2, "g2_BLOCK_SIZE_K": 64}, "needs 4"),
-        # I = 192 in one 256-column step, or two of 128 (the second half past I).
-        (dataclasses.replace(qwen3, intermediate_size=192),
-         {"g2_A_ONCE": 1, "g2_N_TILES": 4, "g2_BLOCK_SIZE_K": 256, "g2_BLOCK_SIZE_M": 64,
-          "g2_BLOCK_SIZE_N": 128, "g2_num_stages": 2}, None),
-        # bf16: 2 x 256 x (128 + 3 x 128) B = 256 KiB > 227 KiB, though each pipeline alone fits.
-        (dataclasses.replace(qwen3, intermediate_size=192),
-         {"g2_A_ONCE": 1, "g2_N_TILES": 4, "g2_BLOCK_SIZE_K": 128, "g2_BLOCK_SIZE_M": 128,
-          "g2_BLOCK_SIZE_N": 128, "g2_num_stages": 3}, "shared memory"),
     ]
     for problem, change, word in cases:
         params = {**kernel.seed_params(dataclasses.replace(problem, dtype="bfloat16"), H100),

@@ -12,9 +12,7 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    tiles in one loop over (tile, K step) so that loads stay in flight across tiles when I is
    short; with ``N_MAJOR`` the programs take every block of pairs for one group of columns
    before the next (so the output columns the reduce adds into stay in L2), else
-   ``GROUP_M`` blocks at a time across all of H. With ``A_ONCE`` a program loads its rows of
-   the intermediate once (all of I, in one or two K steps) for all its tiles
-   (``_gemm2_a_once``), and each tile then loads only its weights. The epilogue multiplies the router weight
+   ``GROUP_M`` blocks at a time across all of H. The epilogue multiplies the router weight
    and adds each row into its token's output row (``ATOMIC``: into a float32 buffer or the
    output itself), stores it (``STORE``: top-1, nothing to reduce), or stores the (pairs, H)
    rows a torch sum then reduces (``ROWS``: what vLLM does, kept so the search measures the
@@ -280,7 +278,7 @@ def _gemm2_reduce(a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, 
                   MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, N_TILES: tl.constexpr,
                   N_MAJOR: tl.constexpr, W_TMA: tl.constexpr, ONE_BLOCK: tl.constexpr,
-                  A_TMA: tl.constexpr, A_ONCE: tl.constexpr, K_STEPS: tl.constexpr):
+                  A_TMA: tl.constexpr):
     if N_MAJOR:  # every used row block for one group of columns, then the next group
         used_m = tl.cdiv(tl.load(post_ptr), BLOCK_M)
         pid_m = tl.program_id(0) % used_m
@@ -291,13 +289,7 @@ def _gemm2_reduce(a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, 
         pid_m, pid_n = _tile(tl.program_id(0), num_rows, H, BLOCK_M, BLOCK_N * N_TILES, GROUP_M)
         if pid_m * BLOCK_M >= tl.load(post_ptr):
             return
-    if A_ONCE:
-        _gemm2_a_once(pid_m, pid_n, a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
-                      sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
-                      stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, TOPK,
-                      QUANT, MUL_WEIGHT, MODE, BLOCK_M, BLOCK_N, BLOCK_K, N_TILES, W_TMA,
-                      ONE_BLOCK, A_TMA, K_STEPS)
-    elif N_TILES == 1:
+    if N_TILES == 1:
         _gemm2_tile(pid_m, pid_n, a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
                     sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
                     stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om, TOPK, QUANT,
@@ -331,49 +323,6 @@ def _gemm2_reduce(a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr, 
                                 s_base, stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT,
                                 MUL_WEIGHT, MODE)
                 acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-
-
-@triton.jit
-def _gemm2_a_once(pid_m, pid_n, a_ptr, a_desc, as_ptr, w_ptr, w_desc, s_ptr, tw_ptr, out_ptr,
-                  sorted_ptr, experts_ptr, H, I, pairs, stride_am, stride_asm, stride_we,
-                  stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_om,
-                  TOPK: tl.constexpr, QUANT: tl.constexpr, MUL_WEIGHT: tl.constexpr,
-                  MODE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, N_TILES: tl.constexpr, W_TMA: tl.constexpr,
-                  ONE_BLOCK: tl.constexpr, A_TMA: tl.constexpr, K_STEPS: tl.constexpr):
-    """GEMM2's ``N_TILES`` column tiles from ``pid_n * N_TILES`` of row block ``pid_m``, its
-    activation rows (all of I: ``K_STEPS`` of one or two steps) loaded once before the loop,
-    so each tile loads only its weight tile: with I = 192-256 the (BLOCK_M, I) activation
-    block is a third to a half of what a tile otherwise reads per output tile."""
-    pair, valid, row, expert, s_base = _row_block(pid_m, sorted_ptr, experts_ptr, pairs, s_ptr,
-                                                  stride_se, BLOCK_M, A_TMA)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = a_ptr + row[:, None] * stride_am + offs_k[None, :]
-    mask_k0 = offs_k < I
-    a0 = _a_tile(a_desc, a_ptrs, pid_m * BLOCK_M, 0, valid[:, None] & mask_k0[None, :], A_TMA)
-    a_scale0, s_step0 = _step_scales(as_ptr, row * stride_asm, valid, s_base, stride_sk, 0,
-                                     QUANT)
-    mask_k1 = offs_k < I - BLOCK_K
-    if K_STEPS == 2:
-        a1 = _a_tile(a_desc, a_ptrs + BLOCK_K, pid_m * BLOCK_M, BLOCK_K,
-                     valid[:, None] & mask_k1[None, :], A_TMA)
-        a_scale1, s_step1 = _step_scales(as_ptr, row * stride_asm, valid, s_base, stride_sk,
-                                         BLOCK_K, QUANT)
-    w_base = w_ptr + expert * stride_we + offs_k[:, None] * stride_wk
-    for j in range(0, N_TILES):  # a tile past H loads nothing and stores nothing
-        first_n = (pid_n * N_TILES + j) * BLOCK_N
-        offs_n = first_n + tl.arange(0, BLOCK_N)
-        mask_n = offs_n < H
-        w_ptrs = w_base + offs_n[None, :] * stride_wn
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        acc = _k_step(acc, a0, a_scale0, w_desc, w_ptrs, s_step0, expert, first_n, 0, offs_n,
-                      mask_n, mask_k0, stride_sn, QUANT, BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
-        if K_STEPS == 2:
-            acc = _k_step(acc, a1, a_scale1, w_desc, w_ptrs + BLOCK_K * stride_wk, s_step1,
-                          expert, first_n, BLOCK_K, offs_n, mask_n, mask_k1, stride_sn, QUANT,
-                          BLOCK_N, BLOCK_K, W_TMA, ONE_BLOCK)
-        _gemm2_epilogue(acc, pair, valid, row, offs_n, mask_n, as_ptr, stride_asm, s_base,
-                        stride_sn, tw_ptr, out_ptr, stride_om, TOPK, QUANT, MUL_WEIGHT, MODE)
 
 
 @triton.jit
@@ -536,7 +485,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
     persistent, units = params["g2_PERSISTENT"], compute_units(w2.device)
     w_tma, gate_up, a_tma = params["W_TMA"], params["g1_PAIR_TMA"], params["g2_A_TMA"]
-    fp8_out, a_once = params["g1_FP8_OUT"], params["g2_A_ONCE"]
+    fp8_out = params["g1_FP8_OUT"]
     one_block1 = quant == QUANT_BLOCK and one_block(config1, inter * problem.gated)
     one_block2 = quant == QUANT_BLOCK and one_block(config2, 0)
     d13 = weight_descriptor(w13, config1, gate_up) if w_tma else w13
@@ -619,9 +568,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
                 *args2, *strides2, N_TILES=n_tiles, **consts2)
         else:
             launch(_gemm2_reduce, config2, rows2, hidden, n_tiles)(
-                *args2, rows2, *strides2, N_TILES=n_tiles, A_ONCE=a_once,
-                K_STEPS=triton.cdiv(inter, config2["BLOCK_SIZE_K"]) if a_once else 0,
-                **consts2)
+                *args2, rows2, *strides2, N_TILES=n_tiles, **consts2)
         if buffer == "rows":
             torch.sum(target.view(m, topk, hidden), dim=1, out=out)
         elif buffer == "float32":

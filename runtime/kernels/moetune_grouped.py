@@ -58,12 +58,6 @@ PERSISTENT = (0, 2, 4)
 #: instead of gathering the rows by routed pair with pointers (an address and a mask per element
 #: loaded, in registers GEMM2's short K loop has few of: 2-3 steps at I = 192-256).
 A_TMA = (0, 1)
-#: Whether a GEMM2 program loads its block's activation rows once, all of I in at most two K
-#: steps, for its ``g2_N_TILES`` column tiles (``_grouped._gemm2_a_once``), instead of again
-#: for every tile: at short K (I = 192-256) they are a third to a half of a tile's loads.
-A_ONCE = (0, 1)
-#: ``g2_A_ONCE`` keeps a row block's activations as this many K steps at most.
-A_ONCE_MAX_STEPS = 2
 #: Whether GEMM1's epilogue writes GEMM2's block-fp8 input itself (fp8 rows, one scale per 128
 #: columns) instead of bf16 rows that a separate launch quantizes: one launch and a bf16 write
 #: and read of the (pairs, I) intermediate less, for tiles of whole 128-column groups.
@@ -78,7 +72,7 @@ class MoetuneGroupedKernel(OwnTritonKernel):
     params = config_params("g1_") + config_params("g2_") + (
         Param("g2_N_TILES", N_TILES, default=1), Param("g2_N_MAJOR", N_MAJOR, default=0),
         Param("g2_PERSISTENT", PERSISTENT, default=0), Param("g2_A_TMA", A_TMA, default=0),
-        Param("g1_FP8_OUT", FP8_OUT, default=0), Param("g2_A_ONCE", A_ONCE, default=0),
+        Param("g1_FP8_OUT", FP8_OUT, default=0),
         Param("W_TMA", W_TMA, default=0),
         Param("g1_PAIR_TMA", PAIR_TMA, default=0),
         Param("REDUCE", REDUCES))
@@ -94,11 +88,10 @@ class MoetuneGroupedKernel(OwnTritonKernel):
                                          config["BLOCK_SIZE_K"])
             if block_m < MIN_BLOCK_M:
                 return f"{gemm}_BLOCK_SIZE_M={block_m}: tl.dot needs at least {MIN_BLOCK_M} rows"
-            # The pipeline keeps num_stages activation tiles and weight tiles (gate and up);
-            # GEMM2 holding its activations once counts otherwise (``_a_once_reason``).
+            # The pipeline keeps num_stages activation tiles and weight tiles (gate and up).
             need = shared_memory_bytes(block_m, weight_tiles * block_n, block_k,
                                        config["num_stages"], element)
-            if need > shared_memory_limit() and not (gemm == "g2" and params["g2_A_ONCE"]):
+            if need > shared_memory_limit():
                 return (f"{gemm}: needs {need} B of shared memory, the GPU has "
                         f"{shared_memory_limit()} B per block")
             if problem.quant is QuantScheme.FP8_BLOCK_128X128 and QUANT_BLOCK[1] % block_k:
@@ -122,10 +115,6 @@ class MoetuneGroupedKernel(OwnTritonKernel):
             if m1 != m2:
                 return (f"g2_A_TMA=1 loads GEMM1's row blocks as they lie: g1_BLOCK_SIZE_M={m1} "
                         f"!= g2_BLOCK_SIZE_M={m2}")
-        if params["g2_A_ONCE"]:
-            reason = _a_once_reason(problem, params, element)
-            if reason:
-                return reason
         if params["g1_PAIR_TMA"]:
             if not params["W_TMA"]:
                 return "g1_PAIR_TMA=1 loads through TMA: it needs W_TMA=1"
@@ -192,7 +181,6 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         reduce = "atomic" if problem.topk == 1 or problem.dtype is DType.FLOAT32 else "atomic_out"
         params: dict[str, Any] = {"REDUCE": reduce, "g2_N_TILES": 1, "g2_N_MAJOR": 0,
                                   "g2_PERSISTENT": 0, "g2_A_TMA": 0, "g1_FP8_OUT": 0,
-                                  "g2_A_ONCE": 0,
                                   "W_TMA": 0, "g1_PAIR_TMA": 0}
         for prefix, config in (("g1_", g1), ("g2_", dict(gemm2))):
             config["BLOCK_SIZE_M"] = max(config["BLOCK_SIZE_M"], MIN_BLOCK_M)
@@ -225,29 +213,4 @@ def _tma_rows_reason(what: str, element: int, **sizes: int) -> str | None:
     for name, size in sizes.items():
         if size * element % TMA_ALIGN:
             return f"{what} rows of {name}={size} elements are not {TMA_ALIGN}-byte aligned"
-    return None
-
-
-def _a_once_reason(problem: MoEProblem, params: dict[str, Any], element: int) -> str | None:
-    """Why ``g2_A_ONCE=1`` cannot run (or would repeat another point) with ``params``: one tile
-    per program reuses nothing, the persistent grid walks single tiles, I must fit in two K
-    steps, and the held activations plus the pipeline's weight tiles must fit in shared memory."""
-    if params["g2_N_TILES"] == 1:
-        return "g2_A_ONCE=1 reuses a block's activations across g2_N_TILES tiles: there is one"
-    if params["g2_PERSISTENT"]:
-        return "g2_A_ONCE=1: the persistent grid walks one tile at a time (not built for it)"
-    block_m, block_n, block_k = (params["g2_BLOCK_SIZE_M"], params["g2_BLOCK_SIZE_N"],
-                                 params["g2_BLOCK_SIZE_K"])
-    steps = -(-problem.intermediate_size // block_k)
-    if steps > A_ONCE_MAX_STEPS:
-        return (f"g2_A_ONCE=1 holds all of I={problem.intermediate_size} in at most "
-                f"{A_ONCE_MAX_STEPS} K steps: g2_BLOCK_SIZE_K={block_k} needs {steps}")
-    # The activation block, num_stages weight tiles per K step, and the epilogue's own scratch
-    # (it runs inside the loop, so it cannot reuse the pipeline's buffers): at most 2 B per
-    # output element of the tile in Triton 3.6's sm_90 compiles (``a-once-h200-2026-12-05``).
-    need = (element * steps * block_k * (block_m + params["g2_num_stages"] * block_n)
-            + 2 * block_m * block_n)
-    if need > shared_memory_limit():
-        return (f"g2_A_ONCE=1: needs {need} B of shared memory, the GPU has "
-                f"{shared_memory_limit()} B per block")
     return None
