@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Third H200 run: re-tunes from sampler seed 5 with the neighbour starts, as the second, at
+# the table's winners at the neighbouring num_tokens (the tuner's starts), into a copy of the
+# remaining large buckets of DeepSeek-V3 and Qwen3-30B-A3B, into a copy of the shipped table.
+set -u
+python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $HOME/site .whl/*.whl
+export PYTHONPATH=$HOME/site:${PYTHONPATH:-}
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
+export VLLM_TUNED_CONFIG_FOLDER=$PWD/.vllm-configs
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > $OUT/gpu-run3.txt
+cp runtime/tables/nvidia_H200.db $OUT/tune.db
+for job in qwen3-235b-a22b:2048,3072,4096,512,1024,1536:270 deepseek-v3:512,1536:100 \
+           qwen3-30b-a3b:512,1024:90; do
+  preset=${job%%:*}; rest=${job#*:}; buckets=${rest%%:*}; limit=${rest#*:}
+  timeout $limit moetune tune --preset $preset --device cuda --output $OUT/tune.db \
+    --buckets $buckets --trials 12 --seed 5 > $OUT/tune-$preset.log 2>&1
+  echo "$preset tune exit $?"; grep -E "^M=" -A3 $OUT/tune-$preset.log | grep -o "^M=[0-9]*\|[0-9.]*us vs.*s ("
+done
+rm -rf $OUT/.tune.db.locks
