@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Third H200 run: re-tunes from sampler seed 5 with the neighbour starts, as the second, at
-# the table's winners at the neighbouring num_tokens (the tuner's starts), into a copy of the
-# remaining large buckets of DeepSeek-V3 and Qwen3-30B-A3B, into a copy of the shipped table.
+# Third H200 run: as the second (sampler seed 5, each search also measuring the table's winners
+# at the neighbouring num_tokens), at Qwen3-235B-A22B 512-4096, whose 2048 row uses smaller tiles
+# than its neighbours, and at DeepSeek-V3's and Qwen3-30B-A3B's remaining large buckets.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $HOME/site .whl/*.whl
 export PYTHONPATH=$HOME/site:${PYTHONPATH:-}
