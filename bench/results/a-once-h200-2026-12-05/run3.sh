@@ -17,3 +17,8 @@ for job in qwen3-235b-a22b:2048,3072,4096,512,1024,1536:270 deepseek-v3:512,1536
   echo "$preset tune exit $?"; grep -E "^M=" -A3 $OUT/tune-$preset.log | grep -o "^M=[0-9]*\|[0-9.]*us vs.*s ("
 done
 rm -rf $OUT/.tune.db.locks
+# Where the time goes on both sides of the 1536 -> 2048 step, with the shipped table's winners.
+python3 scripts/profile_moe.py --commit $COMMIT \
+  --cases qwen3-235b-a22b:1536,qwen3-235b-a22b:2048,qwen3-30b-a3b:1536,qwen3-30b-a3b:2048 \
+  > $OUT/profile-step.md 2> $OUT/profile-step.err
+echo "profile exit $?"
