@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Third H200 run: as the second (sampler seed 5, each search also measuring the table's winners
-# at the neighbouring num_tokens), at Qwen3-235B-A22B 512-4096, whose 2048 row uses smaller tiles
-# than its neighbours, and at DeepSeek-V3's and Qwen3-30B-A3B's remaining large buckets.
+# at the neighbouring num_tokens), at Qwen3-235B-A22B 1024-4096, whose 2048 row uses smaller tiles
+# than its neighbours, and at DeepSeek-V3 1536.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $HOME/site .whl/*.whl
 export PYTHONPATH=$HOME/site:${PYTHONPATH:-}
@@ -9,8 +9,7 @@ python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit
 export VLLM_TUNED_CONFIG_FOLDER=$PWD/.vllm-configs
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader > $OUT/gpu-run3.txt
 cp runtime/tables/nvidia_H200.db $OUT/tune.db
-for job in qwen3-235b-a22b:2048,3072,4096,512,1024,1536:270 deepseek-v3:512,1536:100 \
-           qwen3-30b-a3b:512,1024:90; do
+for job in qwen3-235b-a22b:2048,3072,4096,1024,1536:230 deepseek-v3:1536:70; do
   preset=${job%%:*}; rest=${job#*:}; buckets=${rest%%:*}; limit=${rest#*:}
   timeout $limit moetune tune --preset $preset --device cuda --output $OUT/tune.db \
     --buckets $buckets --trials 12 --seed 5 > $OUT/tune-$preset.log 2>&1
