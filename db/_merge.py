@@ -114,7 +114,10 @@ def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
        same rule kernel and params, each side by side in its own run, the higher ``speedup``
        wins. The ratio cancels what drifts between machines and days (the same H200 timed
        vLLM's pick at Mixtral-8x7B's 4096 tokens 1.4% faster two days later, so every row of
-       the later run looked faster by its median alone).
+       the later run looked faster by its median alone). Unless each speedup lies within the
+       range the other row's own spread implies (``baseline_us / p80_us`` to
+       ``baseline_us / p20_us``): that is a tie too, and the newer run wins as in 1, so a row
+       timed on a quieter day never displaces a newer one by noise alone.
     3. *Faster median wins*: otherwise the lower ``median_us`` wins.
     4. *Exact tie*: equal medians from runs started at the same time keep ``a``.
 
@@ -237,11 +240,24 @@ def _choose(a: _Candidate, b: _Candidate) -> tuple[_Candidate, str | None]:
         return newer, "newer run; medians within each other's p20-p80 spread"
     same_rule = (wa.baseline_kernel, wa.baseline_params) == (wb.baseline_kernel, wb.baseline_params)
     if same_rule and wa.speedup and wb.speedup and wa.speedup != wb.speedup:
+        range_a, range_b = _speedup_range(wa), _speedup_range(wb)
+        if (range_a and range_b and a.started_at != b.started_at
+                and range_a[0] <= wb.speedup <= range_a[1]
+                and range_b[0] <= wa.speedup <= range_b[1]):
+            newer = a if a.started_at > b.started_at else b
+            return newer, "newer run; speedups within each other's p20-p80 spread"
         reason = "higher speedup over the same rule pick"
         return (a, reason) if wa.speedup > wb.speedup else (b, reason)
     if wa.median_us != wb.median_us:
         return (a, "faster median") if wa.median_us < wb.median_us else (b, "faster median")
     return a, "equal medians from runs started together; kept a"
+
+
+def _speedup_range(w: WinnerRow) -> tuple[float, float] | None:
+    """The speedups the row's p80 and p20 times imply against its own rule time."""
+    if not (w.baseline_us and w.p20_us and w.p80_us):
+        return None
+    return w.baseline_us / w.p80_us, w.baseline_us / w.p20_us
 
 
 def _conflict(

@@ -118,6 +118,23 @@ def test_merge_higher_speedup_over_the_same_rule_wins_over_a_faster_median(tmp_p
     assert _winners(out) == {("H200", 64): ("better", 12.0)}
 
 
+def test_merge_speedups_within_each_others_spread_are_a_tie_the_newer_run_wins(tmp_path):
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    # Medians apart (a slower day), speedups 1.50x and 1.47x: each within the range the other's
+    # p20-p80 implies (1.46-1.55x and 1.43-1.51x), so the older row's higher ratio is noise.
+    tune(a, kernel="old_quiet_day", median=10.0, spread=0.3, baseline=15.0)
+    tune(b, kernel="new", median=11.0, spread=0.3, baseline=16.2)
+    [conflict] = merge_tables(a, b, out, check=None).conflicts
+    assert (conflict.winner, conflict.reason) == (
+        "b", "newer run; speedups within each other's p20-p80 spread")
+    assert _winners(out) == {("H200", 64): ("new", 11.0)}
+    assert merge_tables(b, a, out, check=None).conflicts[0].winner == "a"  # symmetric
+    # Beyond the spread (the newer run 1.40x, whose range 1.36-1.45x misses 1.50x) the ratio decides.
+    tune(b, kernel="new", median=11.0, spread=0.3, baseline=15.4)
+    [conflict] = merge_tables(a, b, out, check=None).conflicts
+    assert (conflict.winner, conflict.reason) == ("a", "higher speedup over the same rule pick")
+
+
 def test_merge_spread_must_contain_both_medians(tmp_path):
     a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
     tune(a, kernel="old_wide", median=10.0, spread=3.0,  # 12 lies within a's spread...
