@@ -234,23 +234,30 @@ def _choose(a: _Candidate, b: _Candidate) -> tuple[_Candidate, str | None]:
     if wa.median_us is None or wb.median_us is None or wa.p20_us is None or wb.p20_us is None:
         newer = b if b.started_at > a.started_at else a
         return newer, "no times to compare; newer import"
-    tied = wa.p20_us <= wb.median_us <= wa.p80_us and wb.p20_us <= wa.median_us <= wb.p80_us
-    if tied and a.started_at != b.started_at:
-        newer = a if a.started_at > b.started_at else b
-        return newer, "newer run; medians within each other's p20-p80 spread"
+    if a.started_at != b.started_at and _tied((wa.median_us, (wa.p20_us, wa.p80_us)),
+                                              (wb.median_us, (wb.p20_us, wb.p80_us))):
+        return _newer(a, b), "newer run; medians within each other's p20-p80 spread"
     same_rule = (wa.baseline_kernel, wa.baseline_params) == (wb.baseline_kernel, wb.baseline_params)
     if same_rule and wa.speedup and wb.speedup and wa.speedup != wb.speedup:
         range_a, range_b = _speedup_range(wa), _speedup_range(wb)
         if (range_a and range_b and a.started_at != b.started_at
-                and range_a[0] <= wb.speedup <= range_a[1]
-                and range_b[0] <= wa.speedup <= range_b[1]):
-            newer = a if a.started_at > b.started_at else b
-            return newer, "newer run; speedups within each other's p20-p80 spread"
+                and _tied((wa.speedup, range_a), (wb.speedup, range_b))):
+            return _newer(a, b), "newer run; speedups within each other's p20-p80 spread"
         reason = "higher speedup over the same rule pick"
         return (a, reason) if wa.speedup > wb.speedup else (b, reason)
     if wa.median_us != wb.median_us:
         return (a, "faster median") if wa.median_us < wb.median_us else (b, "faster median")
     return a, "equal medians from runs started together; kept a"
+
+
+def _tied(a: tuple[float, tuple[float, float]], b: tuple[float, tuple[float, float]]) -> bool:
+    """Each (value, (low, high)) lies within the other's range: the two cannot be told apart."""
+    (va, (lo_a, hi_a)), (vb, (lo_b, hi_b)) = a, b
+    return lo_a <= vb <= hi_a and lo_b <= va <= hi_b
+
+
+def _newer(a: _Candidate, b: _Candidate) -> _Candidate:
+    return a if a.started_at > b.started_at else b
 
 
 def _speedup_range(w: WinnerRow) -> tuple[float, float] | None:
