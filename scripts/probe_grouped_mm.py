@@ -5,7 +5,9 @@ the Triton winners where those sit furthest from the roofline (prefill, compute-
 Usage: VLLM_TUNED_CONFIG_FOLDER=/path/to/configs python scripts/probe_grouped_mm.py \\
            [--cases mixtral-8x7b:1024,qwen3-30b-a3b:4096] [--commit SHA] > probe.md
 
-Per case: the table's winner (the whole layer, CUDA-graph timed as the tuner does), GEMM1
+Per case: the table's winner and ``moetune_grouped_mm`` (each the whole layer, CUDA-graph timed
+as the tuner does, the latter's error against the float32 reference and the tuner's
+tolerance), GEMM1
 ((pairs, H) x (H, 2I)) and GEMM2 ((pairs, I) x (I, H)) alone through ``torch._grouped_mm``
 over the same routing with rows already sorted by expert, their sum, and the sum against the
 winner. The glue such a kernel also needs (gathering rows in expert order, the activation, the
@@ -24,6 +26,7 @@ import torch
 from moetune.runtime.dispatcher import Dispatcher, shipped_table
 from moetune.runtime.platform import detect_sku, environment
 from moetune.runtime.registry import default_registry
+from moetune.tuner.gate import relative_error, tolerance
 from moetune.tuner.inputs import make_batch, make_weights
 from moetune.tuner.presets import preset
 from moetune.tuner.timing import time_op
@@ -48,9 +51,10 @@ def main() -> int:
     print(f"# torch._grouped_mm against the table's winners on {sku.label()} "
           f"({datetime.date.today()}, commit {args.commit})\n\ntorch {env.get('torch')}, "
           f"triton {env.get('triton')}; `python {' '.join(sys.argv)}`\n")
-    print("| case | winner | winner us | GEMM1 us | GEMM2 us | GEMMs us | GEMMs / winner "
-          "| GEMM TFLOP/s | glue MB | glue us at HBM |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("| case | winner | winner us | grouped_mm us | winner / grouped_mm | error (tolerance) "
+          "| GEMM1 us | GEMM2 us | GEMMs us | GEMMs / winner | GEMM TFLOP/s | glue MB "
+          "| glue us at HBM |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for case in args.cases.split(","):
         name, tokens = case.split(":")
         problem = preset(name).shape.problem(int(tokens))
@@ -61,6 +65,11 @@ def main() -> int:
         kernel = default_registry.get(chosen.kernel)
         fn = kernel.prepare(problem, dict(chosen.params), weights)
         winner = time_op(fn, [b.args() for b in batches], dev).median_us
+        ours = default_registry.get("moetune_grouped_mm").prepare(problem, {}, weights)
+        ours_us = time_op(ours, [b.args() for b in batches], dev).median_us
+        want = default_registry.get("reference").prepare(problem, {}, weights)(*batches[0].args())
+        error = relative_error(ours(*batches[0].args()), want)
+        del want
         m, topk = batches[0].topk_ids.shape
         hidden, inter = problem.hidden_size, problem.intermediate_size
         w13_t, w2_t = weights.w13.transpose(1, 2), weights.w2.transpose(1, 2)
@@ -86,11 +95,13 @@ def main() -> int:
         glue = 2 * (2 * m * hidden + 2 * pairs * hidden + 3 * pairs * inter)
         glue_us = glue / (args.hbm_tbps * 1e6)
         both = gemm1 + gemm2
-        print(f"| {case} | {chosen.kernel} | {winner:.1f} | {gemm1:.1f} | {gemm2:.1f} | "
+        print(f"| {case} | {chosen.kernel} | {winner:.1f} | {ours_us:.1f} | "
+              f"{winner / ours_us:.3f}x | {error:.2g} ({tolerance(problem, dev):.2g}) | "
+              f"{gemm1:.1f} | {gemm2:.1f} | "
               f"{both:.1f} | {both / winner:.2f} | {flop / both / 1e6:.0f} | {glue / 1e6:.0f} | "
               f"{glue_us:.1f} |")
         sys.stdout.flush()
-        del weights, batches, fn, g1_inputs, g2_inputs
+        del weights, batches, fn, ours, g1_inputs, g2_inputs
         if dev == "cuda":
             torch.cuda.empty_cache()
     return 0

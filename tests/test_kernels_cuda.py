@@ -39,7 +39,7 @@ FP8_TOLERANCE = 6e-2
 KERNELS = ["aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused",
            "aiter_triton_gelu_fused", "aiter_triton_e2e", "torch_scaled_grouped",
            "aiter_triton_persistent", "aiter_triton_silu_fused_persistent",
-           "aiter_triton_gelu_fused_persistent", "moetune_grouped"]
+           "aiter_triton_gelu_fused_persistent", "moetune_grouped", "moetune_grouped_mm"]
 SHAPES = [
     MoEProblem(1, 256, 128, 8, 2, dtype="float16"),  # decode
     MoEProblem(3000, 384, 256, 128, 8),  # prefill, many experts
@@ -72,7 +72,7 @@ def _params(name: str, problem: MoEProblem) -> dict:
         return default
     if name == "aiter_triton_e2e":
         return E2E
-    if name == "torch_scaled_grouped":
+    if name in ("torch_scaled_grouped", "moetune_grouped_mm"):
         return {}
     if name == "moetune_decode":
         return default_registry.get(name).seed_params(problem, H200)
