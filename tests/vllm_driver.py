@@ -36,7 +36,7 @@ def main(model: str, out: str, in_process: bool, compile_model: bool, dtype: str
               distributed_executor_backend="uni" if in_process else None)
     ready = time.perf_counter()
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
-                           SamplingParams(temperature=0, max_tokens=8, logprobs=1), use_tqdm=False)
+                           SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False)
     done = time.perf_counter()
     from moetune.runtime import vllm as moetune_vllm
 
@@ -45,6 +45,9 @@ def main(model: str, out: str, in_process: bool, compile_model: bool, dtype: str
         "tokens": [list(o.outputs[0].token_ids) for o in outputs],
         "logprobs": [[lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.outputs[0].token_ids)]
                      for o in outputs],
+        # Each step's two likeliest tokens: a bf16 near-tie between them is not a kernel bug.
+        "top2": [[{str(t): p.logprob for t, p in lp.items()} for lp in o.outputs[0].logprobs]
+                 for o in outputs],
         "startup_s": ready - started,
         "generate_s": done - ready,
         "driver_stats": moetune_vllm.stats(),
