@@ -5,7 +5,8 @@ the Triton winners where those sit furthest from the roofline (prefill, compute-
 Usage: VLLM_TUNED_CONFIG_FOLDER=/path/to/configs python scripts/probe_grouped_mm.py \\
            [--cases mixtral-8x7b:1024,qwen3-30b-a3b:4096] [--commit SHA] > probe.md
 
-Per case: the table's winner and ``moetune_grouped_mm`` (each the whole layer, CUDA-graph timed
+Per case: the table's winner (the rule's pick where the GPU has no table) and
+``moetune_grouped_mm`` (each the whole layer, CUDA-graph timed
 as the tuner does, the latter's error against the float32 reference and the tuner's
 tolerance), GEMM1
 ((pairs, H) x (H, 2I)) and GEMM2 ((pairs, I) x (I, H)) alone through ``torch._grouped_mm``

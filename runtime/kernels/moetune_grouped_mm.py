@@ -14,12 +14,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from moetune.runtime.kernels._own_triton import OwnTritonKernel
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
+from moetune.runtime.kernels.torch_grouped import grouped_mm_dtype_reason, grouped_mm_missing
 from moetune.runtime.platform import SKU, Vendor
-from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+from moetune.runtime.problem import MoEProblem, QuantScheme
 
 
 class MoetuneGroupedMMKernel(OwnTritonKernel):
@@ -36,15 +35,11 @@ class MoetuneGroupedMMKernel(OwnTritonKernel):
 
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if not hasattr(torch, "_grouped_mm"):
-            return f"torch {torch.__version__} has no _grouped_mm"
-        return super()._supports_device(problem, sku)
+        return grouped_mm_missing() or super()._supports_device(problem, sku)
 
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if sku.vendor is Vendor.NVIDIA and problem.dtype is not DType.BFLOAT16:
-            return "_grouped_mm on CUDA takes bfloat16 only"
-        return super()._supports_problem(problem, sku)
+        return grouped_mm_dtype_reason(problem, sku) or super()._supports_problem(problem, sku)
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:

@@ -28,9 +28,7 @@ class TorchGroupedKernel(BaseKernel):
 
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if not hasattr(torch, "_grouped_mm"):
-            return f"torch {torch.__version__} has no _grouped_mm"
-        return super()._supports_device(problem, sku)
+        return grouped_mm_missing() or super()._supports_device(problem, sku)
 
     @classmethod
     def _supports_quant(cls, problem: MoEProblem, sku: SKU) -> str | None:
@@ -40,8 +38,9 @@ class TorchGroupedKernel(BaseKernel):
 
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        if sku.vendor is Vendor.NVIDIA and problem.dtype is not DType.BFLOAT16:
-            return "_grouped_mm on CUDA takes bfloat16 only"
+        reason = grouped_mm_dtype_reason(problem, sku)
+        if reason:
+            return reason
         # cuBLAS grouped GEMM needs 16-byte aligned strides: 8 bf16 elements.
         if sku.vendor is Vendor.NVIDIA and (problem.hidden_size % 8 or problem.intermediate_size % 8):
             return "hidden and intermediate sizes must be multiples of 8 on CUDA"
@@ -74,6 +73,21 @@ class TorchGroupedKernel(BaseKernel):
             return write(unpermuted.view(-1, topk, x.shape[1]).sum(dim=1), out, x.dtype)
 
         return run
+
+
+def grouped_mm_missing() -> str | None:
+    """Why this torch cannot run ``torch._grouped_mm`` (what both grouped-GEMM kernels call),
+    or None."""
+    if not hasattr(torch, "_grouped_mm"):
+        return f"torch {torch.__version__} has no _grouped_mm"
+    return None
+
+
+def grouped_mm_dtype_reason(problem: MoEProblem, sku: SKU) -> str | None:
+    """Why ``torch._grouped_mm`` cannot take ``problem``'s dtype on ``sku``, or None."""
+    if sku.vendor is Vendor.NVIDIA and problem.dtype is not DType.BFLOAT16:
+        return "_grouped_mm on CUDA takes bfloat16 only"
+    return None
 
 
 def _grouped_weights(
