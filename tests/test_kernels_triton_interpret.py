@@ -658,3 +658,34 @@ def test_grouped_takes_over_a_vllm_config_at_the_same_work_per_program():
     params = kernel.from_gemm_configs(ungated, vllm, vllm)
     assert params["g1_BLOCK_SIZE_N"] == 256 and params["REDUCE"] == "atomic"
     assert params["g1_num_stages"] < 4 and kernel.check_params(ungated, params) is None
+
+
+# --- moetune_grouped_mm: torch's grouped GEMMs with Triton passes between them ------------------
+GROUPED_MM_INTERPRETED = INTERPRETED and os.environ.get("MOETUNE_GROUPED_MM_CHECKS") == "1"
+grouped_mm_interpreted = pytest.mark.skipif(
+    not GROUPED_MM_INTERPRETED,
+    reason="runs inside test_grouped_mm_checks_pass_in_a_fresh_process")
+# moetune_grouped_mm's gather, activation and ordered sum around torch's CPU grouped GEMM: top-1,
+# top-k with experts no pair routes to (an empty group), the router weight on the input, ungated
+# GELU and gated GELU, and H=72, I=40 (multiples of no Triton block).
+GROUPED_MM_CASES = [
+    MoEProblem(3, 64, 32, 8, 2, dtype="float32"),
+    MoEProblem(5, 48, 40, 16, 1, dtype="float16", router_weight_on_input=True),
+    MoEProblem(7, 64, 32, 8, 2, dtype="float32", activation="gelu", gated=False),
+    MoEProblem(9, 72, 40, 32, 4, dtype="float16", activation="gelu"),
+]
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the outer run")
+def test_grouped_mm_checks_pass_in_a_fresh_process():
+    _checks_pass_in_a_fresh_process("MOETUNE_GROUPED_MM_CHECKS", "grouped_mm",
+                                    len(GROUPED_MM_CASES))
+
+
+@grouped_mm_interpreted
+@pytest.mark.parametrize("problem", GROUPED_MM_CASES, ids=_case_id)
+def test_grouped_mm_kernel_matches_reference_interpreted(problem, cpu_sku):
+    fn, batch, ref = _prepared("moetune_grouped_mm", {}, problem, cpu_sku)
+    out = torch.full_like(batch.x, float("nan"))
+    assert fn(*batch.args(), out=out) is out
+    assert relative_error(out, ref) <= TOLERANCE[problem.dtype.value]

@@ -36,13 +36,13 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from moetune.runtime.kernels._act_triton import act_code, gated_act
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
 from moetune.runtime.kernels._scales import CODES, scale_args
-from moetune.runtime.problem import Activation, DType, MoEProblem
+from moetune.runtime.problem import DType, MoEProblem
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-ACT_SILU, ACT_GELU = 0, 1
 #: What ``_gemm2_reduce`` does with a program's partial sum.
 STORE, ATOMIC, PARTIAL = 0, 1, 2
 
@@ -115,12 +115,7 @@ def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
         weight = tl.load(tw_ptr + token * stride_tm + slot * stride_tk).to(tl.float32)
         gate *= weight
         up *= weight
-    if ACT == 0:
-        act = gate / (1.0 + tl.exp(-gate))
-    else:
-        act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
-    if GATED:
-        act = act * up
+    act = gated_act(gate, up, ACT, GATED)
     tl.store(h_ptr + pair * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty), mask=mask_n)
 
 
@@ -221,7 +216,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     tiles1, tiles2 = triton.cdiv(inter, bn1), triton.cdiv(hidden, bn2)
     k_per_split = triton.cdiv(triton.cdiv(inter, bk2), split) * bk2
     zero_block = triton.next_power_of_2(triton.cdiv(hidden, tiles1))
-    act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
+    act = act_code(problem)
     on_input = problem.router_weight_on_input
     launch1 = {"num_warps": params["g1_num_warps"], "num_stages": params["g1_num_stages"]}
     pdl = params["PDL"]

@@ -43,15 +43,15 @@ import torch
 import triton
 import triton.language as tl
 
+from moetune.runtime.kernels._act_triton import act_code, gated_act
 from moetune.runtime.kernels._align import align
 from moetune.runtime.kernels._scales import CODES, QUANT_BLOCK, QUANT_NONE, SCALE_BLOCK, scale_args
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
 from moetune.runtime.kernels.triton_config import compute_units, config_of
-from moetune.runtime.problem import Activation, DType, MoEProblem
+from moetune.runtime.problem import DType, MoEProblem
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-ACT_SILU, ACT_GELU = 0, 1
 #: What ``_gemm2_reduce`` does with a row of its tile.
 STORE, ATOMIC, ROWS = 0, 1, 2
 
@@ -241,12 +241,7 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, hs_ptr, sorte
         weight = tl.load(tw_ptr + pair, mask=valid, other=0.0).to(tl.float32)
         acc_gate *= weight[:, None]
         acc_up *= weight[:, None]
-    if ACT == 0:
-        act = acc_gate / (1.0 + tl.exp(-acc_gate))
-    else:
-        act = 0.5 * acc_gate * (1.0 + tl.erf(acc_gate * 0.7071067811865476))
-    if GATED:
-        act = act * acc_up
+    act = gated_act(acc_gate, acc_up, ACT, GATED)
     # Row of the intermediate: the block's own rows (``SORTED``: GEMM2 loads them as one box),
     # or the routed pair's.
     h_row = offs_m.to(tl.int64) if SORTED else pair.to(tl.int64)
@@ -480,7 +475,7 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
     s13, s13_strides = scale_args(weights.w13_scale, w13, quant)
     s2, s2_strides = scale_args(weights.w2_scale, w2, quant)
     group = SCALE_BLOCK if quant == QUANT_BLOCK else None
-    act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
+    act = act_code(problem)
     on_input = problem.router_weight_on_input
     reduce, n_tiles = params["REDUCE"], params["g2_N_TILES"]
     persistent, units = params["g2_PERSISTENT"], compute_units(w2.device)

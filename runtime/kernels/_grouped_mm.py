@@ -18,13 +18,13 @@ import torch
 import triton
 import triton.language as tl
 
+from moetune.runtime.kernels._act_triton import act_code, gated_act
 from moetune.runtime.kernels._align import align
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
-from moetune.runtime.problem import Activation, MoEProblem
+from moetune.runtime.problem import MoEProblem
 
 INTERPRET = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
-ACT_SILU, ACT_GELU = 0, 1
 #: Elements of a row one step of a glue pass moves: 16 bytes per thread at 4 warps in bf16.
 BLOCK = 1024
 
@@ -57,12 +57,10 @@ def _activate(g_ptr, h_ptr, I, stride_gm, stride_hm, GATED: tl.constexpr, ACT: t
         offs = first + tl.arange(0, BLOCK)
         mask = offs < I
         gate = tl.load(src + offs, mask=mask, other=0.0).to(tl.float32)
-        if ACT == 0:
-            act = gate / (1.0 + tl.exp(-gate))
-        else:
-            act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
+        up = gate
         if GATED:
-            act = act * tl.load(src + I + offs, mask=mask, other=0.0).to(tl.float32)
+            up = tl.load(src + I + offs, mask=mask, other=0.0).to(tl.float32)
+        act = gated_act(gate, up, ACT, GATED)
         tl.store(dst + offs, act.to(h_ptr.dtype.element_ty), mask=mask)
 
 
@@ -92,7 +90,7 @@ def launcher(problem: MoEProblem, weights: MoEWeights) -> MoEFn:
     w13_t, w2_t = weights.w13.transpose(1, 2), weights.w2.transpose(1, 2)  # x @ w per group
     # An expert's rows end where the sorted expert ids first exceed it: no host sync.
     ends = torch.arange(1, num_experts + 1, dtype=torch.int32, device=w13_t.device)
-    act = ACT_SILU if problem.activation is Activation.SILU else ACT_GELU
+    act = act_code(problem)
     on_input = problem.router_weight_on_input
 
     def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
