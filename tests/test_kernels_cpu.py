@@ -1,6 +1,11 @@
 """Every kernel eligible on this CPU computes the MoE layer like the float32 reference."""
 
+import subprocess
+import sys
+import textwrap
+
 import pytest
+import torch
 
 from moetune.errors import InvalidParamsError, UnknownKernelError
 from moetune.runtime.kernels.base import Param
@@ -69,3 +74,34 @@ def test_every_declared_space_is_finite_and_hashable():
         for p in kernel.params:
             assert isinstance(p, Param) and p.choices and len(set(p.choices)) == len(p.choices)
         assert kernel.space_size() >= 1
+
+
+# A fresh process whose first AMX instruction is vLLM's MoE op, as in a tune or a benchmark.
+_FIRST_AMX = textwrap.dedent("""
+    from moetune.runtime.problem import MoEProblem
+    from moetune.runtime.registry import default_registry
+    from moetune.tuner.gate import relative_error
+    from moetune.tuner.inputs import make_batch, make_weights
+    problem = MoEProblem(4, 256, 128, 8, 2)
+    kernel = default_registry.get("vllm_cpu_experts")
+    assert kernel.isa(problem) == "amx", kernel.isa(problem)
+    weights = make_weights(problem, "cpu", seed=1)
+    batch = make_batch(problem, "cpu", seed=2)
+    out = kernel.prepare(problem, {}, weights)(*batch.args())  # before any torch matmul
+    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
+    print(relative_error(out, ref))
+""")
+
+
+@pytest.mark.skipif(not torch.cpu._is_amx_tile_supported(), reason="this CPU has no AMX tiles")
+def test_vllm_cpu_kernel_asks_for_amx_before_running_it(cpu_sku):
+    """Linux kills a process with SIGILL at its first AMX instruction unless it asked for the
+    tile state first; torch asks on its first AMX matmul, vLLM's MoE ops do not."""
+    problem = MoEProblem(4, 256, 128, 8, 2)
+    ok, why = default_registry.get("vllm_cpu_experts").supports(problem, cpu_sku)
+    if not ok:
+        pytest.skip(f"vLLM's CPU kernel does not run here: {why}")
+    run = subprocess.run([sys.executable, "-c", _FIRST_AMX], capture_output=True, text=True,
+                         timeout=300, check=False)
+    assert run.returncode == 0, (run.returncode, run.stderr[-2000:])
+    assert float(run.stdout.split()[-1]) <= tolerance(problem)

@@ -62,6 +62,8 @@ class VllmCpuExpertsKernel(BaseKernel):
         experts, why = _experts_for(problem)
         if experts is None:
             raise RuntimeError(f"{cls.name} cannot run {problem.describe()}: {why}")
+        if cls.isa(problem) == "amx":
+            _request_amx()
         if problem.quant.is_fp8:
             return _prepare_fp8(weights)
         ops = _vllm()[0].ops
@@ -96,6 +98,16 @@ class VllmCpuExpertsKernel(BaseKernel):
             return out
 
         return run
+
+
+def _request_amx() -> None:
+    """Ask Linux for AMX tile state (arch_prctl) before vLLM's ops use it. A process may run AMX
+    instructions only once it has asked: torch's oneDNN asks on its first AMX matmul, vLLM's MoE
+    ops do not, so where they are a process's first AMX code (a tune, a benchmark) it dies of
+    SIGILL. Inside vLLM's engine the model's matmuls have asked already."""
+    if not torch._C._cpu._init_amx():
+        raise RuntimeError("vLLM's CPU MoE runs AMX tiles here, and Linux refused this process "
+                           "their use (arch_prctl ARCH_REQ_XCOMP_PERM)")
 
 
 def _prepare_fp8(weights: MoEWeights) -> MoEFn:
