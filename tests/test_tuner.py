@@ -1,6 +1,7 @@
 """The search, the gate and the confirmation round, on real CPU kernels and Optuna."""
 
 import dataclasses
+import subprocess
 from typing import Any
 
 import pytest
@@ -514,3 +515,21 @@ def test_neighbouring_winners_are_the_nearest_of_the_same_shape_and_device(cpu_s
         ("needle", {"a": 1, "b": 0}), ("needle", {"a": 3, "b": 0})]
     assert _neighbour_winners(rows, cpu_sku, at(2), registry) == [("needle", {"a": 0, "b": 0})]
     assert _neighbour_winners(rows, cpu_sku, at(16, topk=4), registry) == []
+
+
+def test_source_commit_names_the_checkout_and_marks_modified_files(tmp_path):
+    """Provenance: the commit a table names is the code that tuned it, or it says it was not."""
+    from moetune.tuner.job import source_commit
+
+    assert source_commit(tmp_path) is None  # not a checkout
+    git = ["git", "-C", str(tmp_path), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    (tmp_path / "kernel.py").write_text("A = 1\n")
+    subprocess.run([*git, "add", "kernel.py"], check=True)
+    subprocess.run([*git, "commit", "-qm", "one"], check=True)
+    head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
+                          text=True).stdout.strip()
+    (tmp_path / "notes.txt").write_text("untracked files are not the code\n")
+    assert source_commit(tmp_path) == head
+    (tmp_path / "kernel.py").write_text("A = 2\n")
+    assert source_commit(tmp_path) == f"{head}+modified"

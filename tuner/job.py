@@ -67,14 +67,23 @@ class JobOptions(BucketOptions):
         return workers if workers >= 2 and self.device.startswith("cuda") else 0  # 1 = serial
 
 
-def source_commit() -> str | None:
-    """The git commit moetune runs from, when it runs from a checkout."""
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
-    except (OSError, subprocess.SubprocessError):
+def source_commit(checkout: Path = Path(__file__).parent) -> str | None:
+    """The git commit moetune runs from, when it runs from a checkout; ``+modified`` when
+    tracked files differ from it (a copied working tree whose ``.git`` lags behind), so a
+    table never names a commit whose code it was not tuned with."""
+    def git(*args: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True,
+                                 timeout=5)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    head = git("rev-parse", "HEAD")
+    if not head:
         return None
-    return out.stdout.strip() or None if out.returncode == 0 else None
+    changed = git("status", "--porcelain", "--untracked-files=no")
+    return head if changed == "" else f"{head}+modified"
 
 
 def _command_line() -> str:
