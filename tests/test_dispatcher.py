@@ -154,10 +154,11 @@ def test_shipped_h200_table_also_serves_where_vllm_has_no_tuned_file(monkeypatch
     assert "default config" in rule_choice(preset("qwen3-30b-a3b").shape.problem(64), h200).reason
 
 
-def test_shipped_h100_table_serves_mixtral_and_leaves_other_shapes_to_the_rule(monkeypatch):
-    """Tuned on an H100 80GB HBM3 for Mixtral-8x7B (all 18 buckets), where vLLM ships no tuned
-    file for that shape and GPU: every bucket is served from the table, the prefill buckets by
-    the grouped-GEMM kernel; a shape the table has no rows for runs vLLM's pick."""
+def test_shipped_h100_table_serves_its_presets_and_leaves_other_shapes_to_the_rule(monkeypatch):
+    """Tuned on an H100 80GB HBM3 for Mixtral-8x7B and Qwen3-30B-A3B (all 18 buckets each),
+    where vLLM ships no tuned file for either shape: every bucket is served from the table,
+    Mixtral's prefill by the grouped-GEMM kernel; a shape the table has no rows for runs
+    vLLM's pick."""
     import moetune.runtime
     from moetune.runtime.dispatcher import shipped_table
     from moetune.runtime.vllm import configs as vllm_configs
@@ -168,15 +169,17 @@ def test_shipped_h100_table_serves_mixtral_and_leaves_other_shapes_to_the_rule(m
     path = shipped_table(h100)
     assert path == Path(moetune.runtime.__file__).parent / "tables" / "nvidia_H100_80GB_HBM3.db"
     d = Dispatcher.load(path, h100, check_environment=False)
-    assert d.status.usable and d.status.rows == 18 and not d.status.rejected_rows
+    assert d.status.usable and d.status.rows == 36 and not d.status.rejected_rows
+    for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
+        shape = preset(name).shape
+        assert d.buckets(shape) == DEFAULT_BUCKETS, name
+        for m in DEFAULT_BUCKETS:
+            pick = d.select(shape.problem(m))
+            assert pick.source == "table" and pick.bucket == m and not pick.rule_pick, (m, pick)
+            assert default_registry.get(pick.kernel).supports(shape.problem(m), h100)[0]
     mixtral = preset("mixtral-8x7b").shape
-    assert d.buckets(mixtral) == DEFAULT_BUCKETS
-    for m in DEFAULT_BUCKETS:
-        pick = d.select(mixtral.problem(m))
-        assert pick.source == "table" and pick.bucket == m and not pick.rule_pick, (m, pick)
-        assert default_registry.get(pick.kernel).supports(mixtral.problem(m), h100)[0]
     assert {d.select(mixtral.problem(m)).kernel for m in (512, 4096)} == {"moetune_grouped_mm"}
-    qwen3 = preset("qwen3-30b-a3b").shape.problem(64)
+    qwen3 = preset("qwen3-235b-a22b").shape.problem(64)
     other, rule = d.select(qwen3), rule_choice(qwen3, h100)
     assert other.source != "table" and (other.kernel, other.params) == (rule.kernel, rule.params)
 
