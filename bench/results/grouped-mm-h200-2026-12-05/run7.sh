@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The H100 table's second preset: all 18 Qwen3-235B-A22B TP8 buckets (vLLM ships its H100 file
+# The H100 table's third preset: all 18 Qwen3-235B-A22B TP8 buckets (vLLM ships its H100 file
 # E=128, N=192: that file is the rule), tuned into a copy of the shipped H100 table; 330 s at most.
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $HOME/site .whl/*.whl
