@@ -154,34 +154,53 @@ def test_shipped_h200_table_also_serves_where_vllm_has_no_tuned_file(monkeypatch
     assert "default config" in rule_choice(preset("qwen3-30b-a3b").shape.problem(64), h200).reason
 
 
-def test_shipped_h100_table_serves_its_presets_and_leaves_other_shapes_to_the_rule(monkeypatch):
-    """Tuned on an H100 80GB HBM3 for Mixtral-8x7B and Qwen3-30B-A3B (all 18 buckets each),
-    where vLLM ships no tuned file for either shape: every bucket is served from the table,
-    Mixtral's prefill by the grouped-GEMM kernel; a shape the table has no rows for runs
-    vLLM's pick."""
+H100 = SKU(Vendor.NVIDIA, "H100_80GB_HBM3", "sm_90", 132, 85017493504)
+H100_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b")
+
+
+def _assert_h100_table_serves_its_presets() -> None:
     import moetune.runtime
     from moetune.runtime.dispatcher import shipped_table
-    from moetune.runtime.vllm import configs as vllm_configs
 
-    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
-    monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)  # rule: default config
-    h100 = SKU(Vendor.NVIDIA, "H100_80GB_HBM3", "sm_90", 132, 85017493504)
-    path = shipped_table(h100)
+    path = shipped_table(H100)
     assert path == Path(moetune.runtime.__file__).parent / "tables" / "nvidia_H100_80GB_HBM3.db"
-    d = Dispatcher.load(path, h100, check_environment=False)
-    assert d.status.usable and d.status.rows == 36 and not d.status.rejected_rows
-    for name in ("mixtral-8x7b", "qwen3-30b-a3b"):
+    d = Dispatcher.load(path, H100, check_environment=False)
+    assert d.status.usable and d.status.rows == 54 and not d.status.rejected_rows
+    for name in H100_PRESETS:
         shape = preset(name).shape
         assert d.buckets(shape) == DEFAULT_BUCKETS, name
         for m in DEFAULT_BUCKETS:
             pick = d.select(shape.problem(m))
             assert pick.source == "table" and pick.bucket == m and not pick.rule_pick, (m, pick)
-            assert default_registry.get(pick.kernel).supports(shape.problem(m), h100)[0]
+            assert default_registry.get(pick.kernel).supports(shape.problem(m), H100)[0]
     mixtral = preset("mixtral-8x7b").shape
     assert {d.select(mixtral.problem(m)).kernel for m in (512, 4096)} == {"moetune_grouped_mm"}
-    qwen3 = preset("qwen3-235b-a22b").shape.problem(64)
-    other, rule = d.select(qwen3), rule_choice(qwen3, h100)
+    deepseek = preset("deepseek-v3").shape.problem(64)
+    other, rule = d.select(deepseek), rule_choice(deepseek, H100)
     assert other.source != "table" and (other.kernel, other.params) == (rule.kernel, rule.params)
+
+
+def test_shipped_h100_table_serves_its_presets_and_leaves_other_shapes_to_the_rule(monkeypatch):
+    """Tuned on an H100 80GB HBM3 for Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B TP8 (all 18
+    buckets each), against vLLM's default config: every bucket is served from the table,
+    Mixtral's prefill by the grouped-GEMM kernel; a shape without rows runs vLLM's pick."""
+    from moetune.runtime.vllm import configs as vllm_configs
+
+    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
+    monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)  # rule: default config
+    _assert_h100_table_serves_its_presets()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
+def test_shipped_h100_table_serves_its_presets_with_vllms_configs_as_the_rule(monkeypatch):
+    """Qwen3-235B TP8's rows were timed against vLLM's H100 file for it too, so the table
+    serves with vLLM's tuned files as the rule as well."""
+    from moetune.runtime.vllm import configs as vllm_configs
+
+    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(vllm_configs.shipped_folder()))
+    _assert_h100_table_serves_its_presets()
+    rule = rule_choice(preset("qwen3-235b-a22b").shape.problem(64), H100)
+    assert "E=128,N=192,device_name=NVIDIA_H100_80GB_HBM3.json" in rule.reason
 
 
 def test_rows_are_stale_where_todays_rule_is_not_among_their_baselines(monkeypatch, tmp_path):
