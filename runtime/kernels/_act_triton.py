@@ -20,7 +20,7 @@ def act_code(problem: MoEProblem) -> int:
 def gated_act(gate, up, ACT: tl.constexpr, GATED: tl.constexpr):
     """``act(gate) * up`` (``act(gate)`` where the layer is not gated; ``up`` is then unused), in
     float32: SiLU, or GELU in its exact erf form as torch's default."""
-    if ACT == 0:
+    if ACT == 0:  # ACT_SILU (a literal: the jit reads no plain module globals)
         act = gate / (1.0 + tl.exp(-gate))
     else:
         act = 0.5 * gate * (1.0 + tl.erf(gate * 0.7071067811865476))
