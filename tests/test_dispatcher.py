@@ -158,7 +158,7 @@ def test_shipped_h200_table_also_serves_where_vllm_has_no_tuned_file(monkeypatch
 
 
 H100 = SKU(Vendor.NVIDIA, "H100_80GB_HBM3", "sm_90", 132, 85017493504)
-H100_PRESETS = ("mixtral-8x7b", "qwen3-30b-a3b", "qwen3-235b-a22b")
+H100_PRESETS = SHIPPED_PRESETS
 
 
 def _assert_h100_table_serves_its_presets() -> None:
@@ -173,15 +173,15 @@ def _assert_h100_table_serves_its_presets() -> None:
                    for name in H100_PRESETS for m in DEFAULT_BUCKETS)
     mixtral = preset("mixtral-8x7b").shape
     assert {d.select(mixtral.problem(m)).kernel for m in (512, 4096)} == {"moetune_grouped_mm"}
-    deepseek = preset("deepseek-v3").shape.problem(64)
-    other, rule = d.select(deepseek), rule_choice(deepseek, H100)
+    mixtral_tp2 = dataclasses.replace(mixtral, intermediate_size=7168).problem(64)
+    other, rule = d.select(mixtral_tp2), rule_choice(mixtral_tp2, H100)
     assert other.source != "table" and (other.kernel, other.params) == (rule.kernel, rule.params)
 
 
 def test_shipped_h100_table_serves_its_presets_and_leaves_other_shapes_to_the_rule(monkeypatch):
-    """Tuned on an H100 80GB HBM3 for Mixtral-8x7B, Qwen3-30B-A3B and Qwen3-235B TP8 (all 18
-    buckets each), against vLLM's default config: every bucket is served from the table,
-    Mixtral's prefill by the grouped-GEMM kernel; a shape without rows runs vLLM's pick."""
+    """Tuned on an H100 80GB HBM3 for the five presets (all 18 buckets each) against vLLM's
+    default config: every bucket is served from the table, Mixtral's prefill by the
+    grouped-GEMM kernel; a shape without rows (Mixtral at TP2) runs vLLM's pick."""
     from moetune.runtime.vllm import configs as vllm_configs
 
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
@@ -191,8 +191,8 @@ def test_shipped_h100_table_serves_its_presets_and_leaves_other_shapes_to_the_ru
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
 def test_shipped_h100_table_serves_its_presets_with_vllms_configs_as_the_rule(monkeypatch):
-    """Qwen3-235B TP8's rows were timed against vLLM's H100 file for it too, so the table
-    serves with vLLM's tuned files as the rule as well."""
+    """Qwen3-235B TP8's rows were timed against vLLM's H100 file for it too (vLLM ships none
+    for the other four shapes), so the table serves with vLLM's tuned files as the rule too."""
     from moetune.runtime.vllm import configs as vllm_configs
 
     monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(vllm_configs.shipped_folder()))
