@@ -7,6 +7,7 @@ back for that bucket instead of crashing.
 
 import dataclasses
 import datetime
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,9 @@ class WinnerRecord:
     #: ``ratio_hi`` and ``beaten``. Empty for imported rows; rows tuned before schema 0003 have
     #: the one baseline of the ``baseline_*`` fields (``beaten``: the winner is not it).
     baselines: tuple[dict[str, Any], ...] = ()
+    #: The versions its run recorded (``runtime.platform.environment``); None when the run's
+    #: are unreadable. Serving refuses a measured row timed under other versions.
+    environment: dict[str, Any] | None = None
 
 
 # Core columns, read as plain tuples (no ORM layer in the way), and each distinct JSON text
@@ -61,9 +65,10 @@ class WinnerRecord:
 _W, _B = WinnerRow.__table__.c, BucketRow.__table__.c
 _S, _R = SkuRow.__table__.c, TuningRun.__table__.c
 _WINNERS = WinnerRow.__table__.join(BucketRow.__table__, _W.bucket_id == _B.id)
-_WINNER_COLUMNS = tuple(_W[c] for c in (
+_WINNER_COLUMNS = (*(_W[c] for c in (
     "id", "kernel", "params", "median_us", "p20_us", "p80_us", "error", "baseline_kernel",
-    "baseline_params", "baseline_us", "speedup", "run_id", "source", "baselines", "sku_id"))
+    "baseline_params", "baseline_us", "speedup", "run_id", "source", "baselines", "sku_id")),
+    _R.environment)
 _BUCKET_COLUMNS = tuple(_B[c] for c in BUCKET_COLUMNS)
 
 
@@ -138,12 +143,13 @@ def read_snapshot(session: Session, path: Path | str, revision: str, header: Tab
             value = parsed[text] = load_json(text)
         return dict(value)
 
-    query = select(*_WINNER_COLUMNS, *_BUCKET_COLUMNS).select_from(_WINNERS).where(*where) \
+    query = select(*_WINNER_COLUMNS, *_BUCKET_COLUMNS) \
+        .select_from(_WINNERS.join(TuningRun.__table__, _W.run_id == _R.id)).where(*where) \
         .order_by(_W.id)
     for values in session.execute(query):
         (winner_id, kernel, params_text, median_us, p20_us, p80_us, error, baseline_kernel,
-         baseline_text, baseline_us, speedup, run_id, source, baselines_text, sku_id) = \
-            values[:len(_WINNER_COLUMNS)]
+         baseline_text, baseline_us, speedup, run_id, source, baselines_text, sku_id,
+         environment_text) = values[:len(_WINNER_COLUMNS)]
         bucket = dict(zip(BUCKET_COLUMNS, values[len(_WINNER_COLUMNS):]))
         sku = header.skus[sku_id]
         where_text = f"winner {winner_id} ({kernel}, bucket {bucket})"
@@ -168,6 +174,7 @@ def read_snapshot(session: Session, path: Path | str, revision: str, header: Tab
             p20_us=p20_us, p80_us=p80_us, error=error, baseline_kernel=baseline_kernel,
             baseline_params=baseline_params, baseline_us=baseline_us, speedup=speedup,
             run_id=run_id, source=source, baselines=baselines,
+            environment=json_or_none(environment_text, parse),
         ))
     return TableSnapshot(path, revision, list(header.skus.values()), header.environment, rows,
                          bad_rows, bad_winners)
@@ -262,15 +269,18 @@ def read_runs(path: str | Path) -> list[RunRecord]:
     with open_table(path) as table, table.session() as session:
         return [RunRecord(
             id=run.id, sku=sku.key(), moetune_version=run.moetune_version, commit=run.commit,
-            environment=_json_or_none(run.environment), driver=run.driver, host=run.host,
+            environment=json_or_none(run.environment), driver=run.driver, host=run.host,
             command=run.command, started_at=run.started_at, finished_at=run.finished_at,
-            status=run.status.value, ceilings=_json_or_none(run.ceilings),
+            status=run.status.value, ceilings=json_or_none(run.ceilings),
         ) for run, sku in session.execute(query)]
 
 
-def _json_or_none(text: str | None) -> dict[str, Any] | None:
+def json_or_none(text: str | None,
+                 parse: Callable[[str], dict[str, Any]] = load_json) -> dict[str, Any] | None:
+    """A stored JSON object (read by ``parse``), or None where there is none or it cannot be
+    parsed."""
     try:
-        return None if text is None else load_json(text)
+        return None if text is None else parse(text)
     except ValueError:
         return None
 

@@ -14,12 +14,13 @@ from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from moetune.db._files import claim_in, open_table, write_table
 from moetune.db._jsontext import load_json
 from moetune.db._models import BucketRow, MeasurementStatus, RunStatus, SkuRow, TuningRun
-from moetune.db._read import WinnerRecord, read_winners
+from moetune.db._read import WinnerRecord, json_or_none, read_winners
 from moetune.db._schema import is_url
 from moetune.db._tuning import (
     add_measurement,
@@ -38,7 +39,8 @@ from moetune.db._tuning import (
 @dataclasses.dataclass(frozen=True)
 class MeasurementRecord:
     """One trial of a candidate, whatever its outcome (failures are evidence too); ``run_id``
-    is the run that made it, known when read back."""
+    is the run that made it and ``environment`` the versions that run recorded (None when
+    unreadable), known when read back."""
 
     kernel: str
     params: dict[str, Any]
@@ -50,6 +52,7 @@ class MeasurementRecord:
     error: float | None = None
     reason: str | None = None
     run_id: int | None = None
+    environment: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,9 +116,11 @@ class TableWriter:
             sku_row = find_sku(s, sku["vendor"], sku["name"], sku["arch"], sku["compute_units"])
             bucket_row = find_bucket(s, **bucket)
             rows = measured(s, sku_row, bucket_row) if sku_row and bucket_row else {}
+            runs = {run_id: json_or_none(text) for run_id, text in
+                    s.execute(select(TuningRun.id, TuningRun.environment))} if rows else {}
             return {key: MeasurementRecord(m.kernel, load_json(m.params), m.status, m.median_us,
                                            m.p20_us, m.p80_us, m.samples, m.error, m.reason,
-                                           m.run_id)
+                                           m.run_id, runs.get(m.run_id))
                     for key, m in rows.items()}
 
     def publish_bucket(self, run_id: int, sku: dict[str, Any], bucket: dict[str, Any],

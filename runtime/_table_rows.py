@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from moetune.db import TableSnapshot, WinnerReader
@@ -80,8 +81,10 @@ class TableRows:
         TableError: If the table's shapes cannot be read (at construction only).
     """
 
-    def __init__(self, reader: WinnerReader, sku: SKU, registry: Registry) -> None:
+    def __init__(self, reader: WinnerReader, sku: SKU, registry: Registry,
+                 environment: Mapping[str, Any] | None = None) -> None:
         self._reader, self._sku, self._registry = reader, sku, registry
+        self._environment = environment
         self._here = (sku.vendor.value, sku.name, sku.arch)
         #: The stored shapes (``WinnerReader.shapes``) whose rows may be a shape's, by
         #: ``_written(shape)``, and how many rows they have.
@@ -136,7 +139,7 @@ class TableRows:
             # the whole table's rows, grouped as read, are the shape's rows.
             self._whole = self._judge_all()
             return self._judged.get(shape, NO_ROWS)
-        rows = self._judged[shape] = judge(snapshot, self._sku, self._registry)[0].get(
+        rows = self._judged[shape] = judge(snapshot, self._sku, self._registry, self._environment)[0].get(
             shape, NO_ROWS)
         return rows
 
@@ -147,7 +150,7 @@ class TableRows:
             return Judgement(error=str(e))
         finally:
             self._reader.close()  # every row is judged now: nothing is left to read
-        shapes, rejected, faulty = judge(snapshot, self._sku, self._registry)
+        shapes, rejected, faulty = judge(snapshot, self._sku, self._registry, self._environment)
         for shape, rows in shapes.items():
             self._judged.setdefault(shape, rows)
         return Judgement(None, sum(len(r.entries) for r in shapes.values()),
@@ -155,11 +158,13 @@ class TableRows:
                          tuple(s for s, r in shapes.items() if r.entries))
 
 
-def judge(snapshot: TableSnapshot, sku: SKU, registry: Registry) -> tuple[
+def judge(snapshot: TableSnapshot, sku: SKU, registry: Registry,
+          environment: Mapping[str, Any] | None = None) -> tuple[
         dict[Shape, ShapeRows], list[str], list[str]]:
     """The rows of ``snapshot`` for ``sku`` by shape (rows for other SKUs are skipped), shapes
     with served rows first; and, as ``TableStatus`` lists them, each row not served (rejected)
-    and the faulty ones among them, unreadable rows of ``snapshot.bad_winners`` included."""
+    and the faulty ones among them, unreadable rows of ``snapshot.bad_winners`` included.
+    ``environment``: the versions here, for ``row_verdict``."""
     entries: dict[Shape, list[Entry]] = {}
     faults: dict[Shape, dict[int, str]] = {}
     faulty_of: dict[Shape, list[str]] = {}
@@ -175,7 +180,7 @@ def judge(snapshot: TableSnapshot, sku: SKU, registry: Registry) -> tuple[
             faulty_of.setdefault(problem.shape, []).append(line)
 
     for row in snapshot.rows:
-        verdict = row_verdict(row, sku, registry)
+        verdict = row_verdict(row, sku, registry, environment)
         if verdict.other_sku:
             continue
         if verdict.selection is None:

@@ -8,12 +8,13 @@ and ``tune --skip-tuned`` judge each row they print or skip; ``merge``, ``export
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from moetune.db import WinnerRecord
 from moetune.errors import MoetuneError
 from moetune.runtime.kernels.base import params_key
-from moetune.runtime.platform import SKU
+from moetune.runtime.platform import SKU, environment_mismatches
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
 from moetune.runtime.rules import rule_choice
@@ -50,7 +51,8 @@ class RowVerdict:
     rule_kept: bool = False
 
 
-def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_registry) -> RowVerdict:
+def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_registry,
+                environment: Mapping[str, Any] | None = None) -> RowVerdict:
     """The one check of a winner row, shared by serving, ``show`` and ``tune --skip-tuned``.
 
     A row is served when it is valid (``row_problem``, the part ``merge``, ``export`` and
@@ -58,6 +60,10 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
     declared space) and, for measured rows, today's rule here is one of the baselines it was
     timed against: if the winner beat it the winner runs, if not the rule's pick runs. Imported
     rows won nothing here; they are the user's choice and serve as they are.
+
+    With ``environment`` (the versions here), a measured row whose run recorded other
+    torch/triton/CUDA/HIP versions is stale: its timings say nothing about the code those
+    versions generate, whatever the newest run of a merged table was measured under.
     """
     if (row.sku["vendor"], row.sku["name"], row.sku["arch"]) != (sku.vendor.value, sku.name,
                                                                  sku.arch):
@@ -71,6 +77,12 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
                        row.median_us, row.speedup)
     if row.source != "measured":
         return RowVerdict(served, f"imported ({row.source})", problem)
+    if environment is not None and row.environment is not None:
+        mismatches = environment_mismatches(row.environment, dict(environment))
+        if mismatches:
+            return RowVerdict(None, f"stale: measured in another environment ("
+                                    f"{'; '.join(mismatches)}): re-tune this bucket", problem,
+                              stale=True)
     rule = rule_choice(problem, sku)
     rule_key = params_key(rule.params)
     measured = next((b for b in row.baselines if b["kernel"] == rule.kernel

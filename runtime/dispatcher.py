@@ -90,7 +90,8 @@ class Dispatcher:
         reason = _foreign(reader.skus, reader.environment, sku, check_environment)
         rows = None
         try:
-            rows = None if reason else TableRows(reader, sku, registry)
+            rows = None if reason else TableRows(
+                reader, sku, registry, environment() if check_environment else None)
         except MoetuneError as e:
             reason = str(e)
         if rows is None:

@@ -49,6 +49,7 @@ def test_round_trip(tmp_path):
         params={"BLOCK_M": 16, "num_warps": 4}, median_us=8.0, p20_us=7.5, p80_us=8.5,
         error=1e-3, baseline_kernel="rule", baseline_params={}, baseline_us=12.0, speedup=1.5,
         run_id=1, baselines=({"kernel": "rule", "params": {}, "median_us": 12.0, "beaten": True},),
+        environment=ENVIRONMENT,
     )]
     trials = read_measurements(path)
     assert [(t["status"], t["median_us"], t["reason"]) for t in trials] == [

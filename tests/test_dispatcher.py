@@ -102,6 +102,39 @@ def test_table_from_another_environment_is_ignored(tiny_table, tmp_path, cpu_sku
     assert Dispatcher.load(path, cpu_sku, check_environment=False).status.usable
 
 
+def _split_runs(table: Path, path: Path, older: str) -> None:
+    """``table`` copied to ``path`` as two runs: bucket 64's row stays with run 1, measured
+    under torch ``older``; the others move to run 2, a day newer, in this environment."""
+    path.write_bytes(table.read_bytes())
+    with sqlite3.connect(path) as con:
+        con.execute("""INSERT INTO tuning_run (id, sku_id, moetune_version, "commit",
+                       environment, driver, host, pid, command, ceilings, started_at,
+                       finished_at, status)
+                       SELECT 2, sku_id, moetune_version, "commit", environment, driver, host,
+                       pid, command, ceilings, datetime(started_at, '+1 day'), finished_at,
+                       status FROM tuning_run WHERE id = 1""")
+        con.execute("UPDATE winner SET run_id = 2 WHERE bucket_id IN "
+                    "(SELECT id FROM bucket WHERE num_tokens != 64)")
+        con.execute("UPDATE tuning_run SET environment = json_set(environment, '$.torch', ?) "
+                    "WHERE id = 1", (older,))
+
+
+def test_rows_measured_in_another_environment_are_stale_though_the_newest_run_matches(
+        tiny_table, tmp_path, cpu_sku):
+    """A table merged from runs under different versions (or re-tuned into a copy of a
+    shipped table) is checked row by row: the newest run matching this environment does not
+    vouch for an older run's rows, which are refused, naming the versions, not faulty."""
+    path = tmp_path / "mixed.db"
+    _split_runs(tiny_table, path, "1.13.1")
+    d = Dispatcher.load(path, cpu_sku)
+    assert d.status.usable and d.buckets(TINY) == (1, 16)
+    assert d.select(TINY.problem(64)).bucket == 16  # the nearest row served here
+    (line,) = d.status.rejected_rows
+    assert "num_tokens': 64" in line and "measured in another environment" in line
+    assert "torch 1.13 (table)" in line and not d.status.faulty_rows
+    assert Dispatcher.load(path, cpu_sku, check_environment=False).buckets(TINY) == (1, 16, 64)
+
+
 def _shipped_h200() -> tuple[Path, SKU]:
     import moetune.runtime
 

@@ -147,9 +147,9 @@ def _count_verdicts(monkeypatch) -> list[Shape]:
     """The shape of each row judged from now on."""
     judged: list[Shape] = []
 
-    def counting(row, sku, registry):
+    def counting(row, sku, registry, environment):
         judged.append(_shape(row.bucket["hidden_size"]))
-        return row_verdict(row, sku, registry)
+        return row_verdict(row, sku, registry, environment)
 
     monkeypatch.setattr(_table_rows, "row_verdict", counting)
     return judged

@@ -2,6 +2,7 @@
 
 import dataclasses
 import subprocess
+import sqlite3
 from typing import Any
 
 import pytest
@@ -456,6 +457,23 @@ def test_skip_tuned_leaves_buckets_with_a_current_measured_winner(tmp_path, cpu_
     assert again[0].skipped.startswith("already tuned (run 1: ") and again[0].measured == 0
     assert again[1].skipped is None and again[1].decision is not None
     assert {r.bucket["num_tokens"]: r.run_id for r in db.read_winners(path).rows} == {1: 1, 8: 2}
+
+
+def test_skip_tuned_re_tunes_buckets_measured_under_other_versions(tmp_path, cpu_sku):
+    """A row timed under another torch says nothing here: ``--skip-tuned`` tunes its bucket
+    again, and leaves the bucket measured in this environment."""
+    problems = [MoEProblem(m, 64, 96, 8, 2, dtype="float32") for m in (1, 8)]
+    path = tmp_path / "t.db"
+    run_job(problems[:1], path, cpu_sku, JobOptions(device="cpu", trials=3, reps=2))
+    run_job(problems[1:], path, cpu_sku, JobOptions(device="cpu", trials=3, reps=2))
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE tuning_run SET environment = json_set(environment, '$.torch', "
+                    "'1.13.1') WHERE id = 1")
+    again = run_job(problems, path, cpu_sku,
+                    JobOptions(device="cpu", trials=3, reps=2, skip_tuned=True))
+    assert again[0].skipped is None and again[0].decision is not None
+    assert again[1].skipped.startswith("already tuned (run 2: ")
+    assert {r.bucket["num_tokens"]: r.run_id for r in db.read_winners(path).rows} == {1: 3, 8: 2}
 
 
 class NeedleKernel(AnyDeviceKernel):

@@ -18,7 +18,7 @@ from moetune import db
 from moetune.errors import InvalidParamsError, TuningError, UnknownKernelError
 from moetune.runtime.dispatcher import row_point, row_verdict
 from moetune.runtime.kernels.base import params_key
-from moetune.runtime.platform import SKU
+from moetune.runtime.platform import SKU, environment, environment_mismatches
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
 from moetune.tuner.confirm import Decision, confirm
@@ -101,11 +101,12 @@ def tune_bucket(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: Buc
 def _current_winner(writer: db.TableWriter, sku: SKU,
                     problem: MoEProblem) -> db.WinnerRecord | None:
     """The table's measured winner for ``problem`` on ``sku`` if serving would use it here
-    (today's rule is among the baselines it was timed against), else None."""
+    (today's rule is among the baselines it was timed against, under today's versions), else
+    None."""
     for row in writer.winners():
         if row.source != "measured":
             continue
-        verdict = row_verdict(row, sku)
+        verdict = row_verdict(row, sku, environment=environment())
         if verdict.problem == problem and verdict.selection is not None:
             return row
     return None
@@ -190,10 +191,14 @@ def _known_results(writer: db.TableWriter, sku: SKU, problem: MoEProblem,
     trial stored before its kernel gained a parameter is the point at that parameter's default,
     so the search neither times it again nor misses the new parameter's moves from it. Trials
     of kernels no longer registered, or outside today's space, are left out: nothing can
-    reproduce them."""
+    reproduce them; so are trials of runs under other torch/triton/CUDA/HIP versions, whose
+    compiled code, and so its time and even its correctness, need not be today's."""
     known: dict[Key, Result] = {}
     runs: dict[Key, int] = {}
+    here = environment()
     for m in writer.measurements(sku.to_row(), problem.to_row()).values():
+        if m.environment is None or environment_mismatches(m.environment, here):
+            continue
         try:
             params = registry.get(m.kernel).validate(m.params)
         except (UnknownKernelError, InvalidParamsError):
