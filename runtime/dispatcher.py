@@ -194,5 +194,6 @@ def _foreign(skus: list[dict[str, Any]], table_environment: dict[str, Any], sku:
     if check_environment:
         mismatches = environment_mismatches(table_environment, environment())
         if mismatches:
-            return "measured in another environment: " + "; ".join(mismatches)
+            return ("measured in another environment: " + "; ".join(mismatches)
+                    + " (re-tune a copy of it here: moetune tune --skip-tuned --output COPY)")
     return None
