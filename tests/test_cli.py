@@ -64,6 +64,32 @@ def test_doctor_reports_device_and_eligibility():
     assert result.exit_code == 0
     assert "cpu:" in result.output and "torch_loop" in result.output and "eligible" in result.output
     assert "rule:    CPU rule:" in result.output  # the baseline a tune here would time
+    assert "table:   none shipped for this device" in result.output
+
+
+def test_doctor_says_whether_the_shipped_table_is_used_here(monkeypatch):
+    """Under other versions than the shipped H200 table's, doctor says it is not used, which
+    versions differ and how to re-tune it; under its own, how many rows it serves."""
+    import moetune.runtime.dispatcher as dispatcher
+    from moetune.runtime.platform import SKU, Vendor
+    from moetune.runtime.registry import default_registry
+    from moetune.tuner.report import doctor_text
+
+    h200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)
+    problem = preset("mixtral-8x7b").shape.problem(1)
+    recorded = db.read_winners(dispatcher.shipped_table(h200)).environment
+
+    def table_line() -> str:
+        (line,) = [x for x in doctor_text(h200, default_registry, problem).splitlines()
+                   if x.startswith("table:")]
+        return line
+
+    monkeypatch.setattr(dispatcher, "environment", lambda: {**recorded, "torch": "9.9.0"})
+    line = table_line()
+    assert "nvidia_H200.db (measured in another environment: torch 2.11 (table) != 9.9 " \
+           "(here)" in line and "moetune tune --skip-tuned" in line
+    monkeypatch.setattr(dispatcher, "environment", lambda: recorded)
+    assert table_line().endswith("nvidia_H200.db (90 rows for nvidia:H200 (sm_90, 132 units))")
 
 
 def test_export_import_and_merge(tiny_table, tmp_path):

@@ -9,7 +9,7 @@ from typing import Any
 from rich.table import Table
 
 from moetune import db
-from moetune.runtime.dispatcher import Dispatcher, Selection, row_verdict
+from moetune.runtime.dispatcher import Dispatcher, Selection, row_verdict, shipped_table
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
@@ -137,9 +137,16 @@ def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, s: Selection) -> st
 
 
 def doctor_text(sku: SKU, registry: Registry, problem: MoEProblem) -> str:
+    """The device, the versions here, whether the table shipped for it is used here (and why
+    not), the rule and each kernel's eligibility for ``problem``."""
     env = environment()
+    shipped = shipped_table(sku)
+    table = (f"{shipped} ({Dispatcher.load(shipped, sku, registry=registry).status.reason})"
+             if shipped.is_file() else "none shipped for this device (tune one: moetune tune "
+             "... --output T, then serve with MOETUNE_TABLE=T)")
     lines = [f"device:  {sku.label()}, {sku.memory_bytes / 2**30:.0f} GiB",
              "software: " + ", ".join(f"{k} {v}" for k, v in env.items() if v),
+             f"table:   {table}",
              f"rule:    {rule_choice(problem, sku).reason}",
              f"kernels for {problem.describe()}:"]
     for name, why in registry.eligibility(problem, sku).items():
