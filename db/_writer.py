@@ -116,8 +116,9 @@ class TableWriter:
             sku_row = find_sku(s, sku["vendor"], sku["name"], sku["arch"], sku["compute_units"])
             bucket_row = find_bucket(s, **bucket)
             rows = measured(s, sku_row, bucket_row) if sku_row and bucket_row else {}
-            runs = {run_id: json_or_none(text) for run_id, text in
-                    s.execute(select(TuningRun.id, TuningRun.environment))} if rows else {}
+            run_ids = {m.run_id for m in rows.values()}
+            runs = {run_id: json_or_none(text) for run_id, text in s.execute(
+                select(TuningRun.id, TuningRun.environment).where(TuningRun.id.in_(run_ids)))}
             return {key: MeasurementRecord(m.kernel, load_json(m.params), m.status, m.median_us,
                                            m.p20_us, m.p80_us, m.samples, m.error, m.reason,
                                            m.run_id, runs.get(m.run_id))

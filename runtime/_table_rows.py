@@ -139,8 +139,8 @@ class TableRows:
             # the whole table's rows, grouped as read, are the shape's rows.
             self._whole = self._judge_all()
             return self._judged.get(shape, NO_ROWS)
-        rows = self._judged[shape] = judge(snapshot, self._sku, self._registry, self._environment)[0].get(
-            shape, NO_ROWS)
+        judged = judge(snapshot, self._sku, self._registry, self._environment)[0]
+        rows = self._judged[shape] = judged.get(shape, NO_ROWS)
         return rows
 
     def _judge_all(self) -> Judgement:

@@ -78,7 +78,7 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
     if row.source != "measured":
         return RowVerdict(served, f"imported ({row.source})", problem)
     if environment is not None and row.environment is not None:
-        mismatches = environment_mismatches(row.environment, dict(environment))
+        mismatches = environment_mismatches(row.environment, environment)
         if mismatches:
             return RowVerdict(None, f"stale: measured in another environment ("
                                     f"{'; '.join(mismatches)}): re-tune this bucket", problem,

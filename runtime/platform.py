@@ -139,7 +139,7 @@ def environment() -> dict[str, Any]:
 VALIDATED_KEYS = ("torch", "triton", "cuda", "hip")
 
 
-def environment_mismatches(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+def environment_mismatches(recorded: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     """Human-readable differences that make a table measured under ``recorded`` untrustworthy."""
 
     def major_minor(v: Any) -> Any:
