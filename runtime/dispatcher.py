@@ -195,5 +195,6 @@ def _foreign(skus: list[dict[str, Any]], table_environment: dict[str, Any], sku:
         mismatches = environment_mismatches(table_environment, environment())
         if mismatches:
             return ("measured in another environment: " + "; ".join(mismatches)
-                    + " (re-tune a copy of it here: moetune tune --skip-tuned --output COPY)")
+                    + " (re-confirm a copy of it here, seconds per bucket: moetune tune "
+                    "--reconfirm --output COPY)")
     return None

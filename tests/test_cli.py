@@ -8,7 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune import db
-from moetune.runtime.platform import detect_sku
+from moetune.runtime.platform import detect_sku, environment
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.presets import preset
 from moetune.tuner.cli import app
@@ -35,6 +35,21 @@ def test_tune_tiny_writes_a_table_with_a_gated_winner_per_bucket(tmp_path):
     rows = db.read_winners(path).rows
     assert sorted(r.bucket["num_tokens"] for r in rows) == [1, 16]
     assert all(r.error <= 2.5e-2 and r.baseline_us > 0 and r.speedup > 0 for r in rows)
+
+
+def test_tune_reconfirm_without_a_shape_re_times_every_bucket_of_the_table(tiny_table,
+                                                                              tmp_path):
+    path = tmp_path / "t.db"
+    path.write_bytes(tiny_table.read_bytes())
+    result = invoke("tune", "--reconfirm", "--device", "cpu", "--output", path, "--reps", 2)
+    assert result.exit_code == 0, result.output
+    lines = [line for line in result.output.splitlines() if line.startswith("M=")]
+    assert [line.split()[0] for line in lines] == ["M=1", "M=16", "M=64"]
+    assert all("s winner re-timed, no search" in line for line in lines), lines
+    assert {r.run_id for r in db.read_winners(path).rows} == {2}
+    missing = invoke("tune", "--reconfirm", "--device", "cpu", "--output", tmp_path / "no.db")
+    assert missing.exit_code == 1 and "no such table to re-confirm" in missing.output
+    assert not (tmp_path / "no.db").exists()
 
 
 def test_show_prints_grid_and_json(tiny_table):
@@ -87,7 +102,7 @@ def test_doctor_says_whether_the_shipped_table_is_used_here(monkeypatch):
     monkeypatch.setattr(dispatcher, "environment", lambda: {**recorded, "torch": "9.9.0"})
     line = table_line()
     assert "nvidia_H200.db (measured in another environment: torch 2.11 (table) != 9.9 " \
-           "(here)" in line and "moetune tune --skip-tuned" in line
+           "(here)" in line and "moetune tune --reconfirm" in line
     monkeypatch.setattr(dispatcher, "environment", lambda: recorded)
     assert table_line().endswith("nvidia_H200.db (90 rows for nvidia:H200 (sm_90, 132 units))")
 
@@ -151,7 +166,7 @@ def test_lookup_defaults_to_the_shipped_table_for_this_device(tiny_table, cpu_sk
     assert "source:  table" in shipped.output and str(tmp_path) in shipped.output
 
 
-def test_show_and_lookup_say_why_a_row_is_not_served_here(tmp_path, monkeypatch):
+def test_show_and_lookup_say_why_a_row_is_not_served_here(tmp_path):
     """The shipped H200 table seen from this machine: every row for another SKU; and on an
     H200 whose rule none of the rows was timed against, lookup names the stale row."""
     import sqlite3
@@ -170,9 +185,20 @@ def test_show_and_lookup_say_why_a_row_is_not_served_here(tmp_path, monkeypatch)
         con.execute("""UPDATE winner SET baselines = '{"variants":[]}'""")
         con.execute("UPDATE sku SET vendor = 'cpu', name = ?, arch = ?",
                     (detect_sku("cpu").name, detect_sku("cpu").arch))
-    monkeypatch.setattr("moetune.runtime.dispatcher._foreign", lambda *a: None)
-    shown = invoke("show", path, "--device", "cpu").output
-    assert "no: stale" in shown and "re-tune this bucket" in shown
+    def reasons() -> set[str]:
+        shown = invoke("show", path, "--json", "--device", "cpu").output.strip().splitlines()
+        return {json.loads(line)["served_reason"] for line in shown}
+
+    # Timed under CUDA and torch 2.11: foreign here whatever their baselines.
+    assert all(r.startswith("stale: measured in another environment") and "--reconfirm" in r
+               for r in reasons())
+    looked = invoke("lookup", "--table", path, "--preset", "mixtral-8x7b", "--num-tokens", 64,
+                    "--device", "cpu").output
+    assert "measured in another environment" in looked and "tune --reconfirm" in looked
+    with sqlite3.connect(path) as con:  # as if timed here: only the baselines are stale
+        con.execute("UPDATE tuning_run SET environment = ?", (json.dumps(environment()),))
+    assert all(r.startswith("stale: tuned against") and r.endswith("re-tune this bucket")
+               for r in reasons())
     looked = invoke("lookup", "--table", path, "--preset", "mixtral-8x7b", "--num-tokens", 64,
                     "--device", "cpu").output
     assert "source:  rule" in looked and "18 rows for this shape are not served here" in looked

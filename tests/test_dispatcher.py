@@ -99,7 +99,7 @@ def test_table_from_another_environment_is_ignored(tiny_table, tmp_path, cpu_sku
                        '1.13.1')""")
     d = Dispatcher.load(path, cpu_sku)
     assert not d.status.usable and "torch 1.13 (table)" in d.status.reason
-    assert "moetune tune --skip-tuned" in d.status.reason  # what to do about it
+    assert "moetune tune --reconfirm" in d.status.reason  # what to do about it
     assert Dispatcher.load(path, cpu_sku, check_environment=False).status.usable
 
 

@@ -1,6 +1,7 @@
 """The search, the gate and the confirmation round, on real CPU kernels and Optuna."""
 
 import dataclasses
+import json
 import subprocess
 import sqlite3
 from typing import Any
@@ -11,6 +12,8 @@ import torch
 from moetune import db
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param, params_key
 from moetune.runtime.kernels.torch_dense import TorchDenseKernel
+from moetune.runtime.dispatcher import row_verdict
+from moetune.runtime.platform import environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import KERNEL_PATHS, Registry
 from moetune.runtime.rules import rule_choice, rule_variants
@@ -474,6 +477,50 @@ def test_skip_tuned_re_tunes_buckets_measured_under_other_versions(tmp_path, cpu
     assert again[0].skipped is None and again[0].decision is not None
     assert again[1].skipped.startswith("already tuned (run 2: ")
     assert {r.bucket["num_tokens"]: r.run_id for r in db.read_winners(path).rows} == {1: 3, 8: 2}
+
+
+def test_reconfirm_re_times_the_tables_winner_and_the_rule_instead_of_searching(
+        tmp_path, cpu_sku):
+    """A bucket whose row was timed under another torch is decided again from that row's
+    winner and the rule variants alone: a winner no longer faster gives the bucket back to the
+    rule's pick, and the new row, timed here, is served here."""
+    problem = MoEProblem(8, 64, 96, 8, 2, dtype="float32")
+    rule = rule_choice(problem, cpu_sku)
+    registry = _only(rule.kernel, NeedleKernel)
+    path = tmp_path / "t.db"
+    run_job([problem], path, cpu_sku, JobOptions(device="cpu", trials=2, refine=0, reps=2),
+            registry=registry)
+    slow = {"a": 1, "b": 2}  # sleeps 20 ms a call; the search would have measured its seed
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE winner SET kernel = 'needle', params = ?", (json.dumps(slow),))
+        con.execute("UPDATE tuning_run SET environment = json_set(environment, '$.torch', "
+                    "'1.13.1')")
+    [old] = db.read_winners(path).rows
+    assert row_verdict(old, cpu_sku, registry, environment()).stale
+
+    [o] = run_job([problem], path, cpu_sku,
+                  JobOptions(device="cpu", trials=2, refine=0, reps=2, reconfirm=True),
+                  registry=registry)
+    assert o.reconfirmed == 1 and o.reused == 0
+    with sqlite3.connect(path) as con:
+        timed = {(k, params_key(json.loads(p))) for k, p in con.execute(
+            "SELECT kernel, params FROM measurement WHERE run_id = 2")}
+    variants = {(v.kernel, params_key(v.params)) for v in rule_variants(problem, cpu_sku)
+                if v.kernel in registry.names()}
+    assert timed == variants | {("needle", params_key(slow))} and o.measured == len(timed)
+    [row] = db.read_winners(path).rows
+    assert row.run_id == 2 and (row.kernel, row.params) == (rule.kernel, rule.params)
+    assert row_verdict(row, cpu_sku, registry, environment()).selection is not None
+
+
+def test_reconfirm_searches_buckets_the_table_has_no_winner_for(tmp_path, cpu_sku):
+    problem = MoEProblem(8, 64, 96, 8, 2, dtype="float32")
+    registry = _only(rule_choice(problem, cpu_sku).kernel, NeedleKernel)
+    [o] = run_job([problem], tmp_path / "t.db", cpu_sku,
+                  JobOptions(device="cpu", trials=2, refine=0, reps=2, reconfirm=True),
+                  registry=registry)
+    assert o.reconfirmed is None and o.decision is not None
+    assert any(r.kernel == "needle" for r in o.decision.results)  # its seed: a search ran
 
 
 class NeedleKernel(AnyDeviceKernel):

@@ -1,4 +1,5 @@
-"""One bucket of a job: claim it, reuse what the table already measured, tune it, publish it.
+"""One bucket of a job: claim it, reuse what the table already measured, tune it (or, with
+``reconfirm``, re-time the table's winner against the rule), publish it.
 
 A bucket is claimed while it is tuned, so jobs given the same buckets of one table (a file, or
 a database several hosts share) share them out; a bucket another job finished is re-confirmed
@@ -26,7 +27,7 @@ from moetune.tuner.inputs import Routing
 from moetune.tuner.measure import Key, Measurer, Result
 from moetune.tuner.procs.compile_pool import CompilePool
 from moetune.tuner.procs.measurer import IsolatedMeasurer
-from moetune.tuner.search import REFINE, TRIALS, search
+from moetune.tuner.search import REFINE, TRIALS, remeasure, search
 from moetune.tuner.timing import Timing
 
 
@@ -45,6 +46,11 @@ class BucketOptions:
     #: Leave alone buckets the table already has a measured winner for, timed against the rule
     #: as it is now (a resumed job, or hosts that start after others finished some buckets).
     skip_tuned: bool = False
+    #: Where the table has a winner for the bucket on this SKU (from any run, under any
+    #: versions), measure only it and the rule variants and confirm again, instead of
+    #: searching: adopting a table timed under other torch/Triton/CUDA versions then costs
+    #: seconds per bucket. Buckets without one are searched.
+    reconfirm: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +67,8 @@ class BucketOutcome:
     #: Wall seconds of the bucket by phase: ``setup`` (inputs in the workers), ``compile_ahead``,
     #: ``first_calls`` (prepare + gate), ``timing``, ``confirm``, and ``total``.
     seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    #: The run whose winner was re-timed instead of searching (``reconfirm``).
+    reconfirmed: int | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,7 +125,9 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                   lane: Lane) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     worker, pool = lane.worker, lane.pool
-    known, measured_by = _known_results(writer, sku, problem, registry)
+    again = _table_winner(writer.winners(), sku, problem, registry,
+                          {k.name for k in candidates}) if opts.reconfirm else None
+    known, measured_by = ({}, {}) if again else _known_results(writer, sku, problem, registry)
     neighbours = _neighbour_winners(writer.winners(), sku, problem, registry)
     start = time.perf_counter()
     compiled_before = pool.seconds if pool else 0.0
@@ -129,9 +139,12 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
         measurer = worker or Measurer(problem, lane.device or opts.device, registry,
                                       routing=opts.routing, seed=opts.seed, reps=opts.reps)
         searching = time.perf_counter()
-        results = search(problem, sku, measurer, candidates, trials=opts.trials, refine=opts.refine,
-                         seed=opts.seed, known=known, starts=neighbours,
-                         storage=opts.optuna_storage, compiler=pool, progress=on_trial)
+        if again:
+            results = remeasure(problem, sku, measurer, candidates, [again[1:]])
+        else:
+            results = search(problem, sku, measurer, candidates, trials=opts.trials,
+                             refine=opts.refine, seed=opts.seed, known=known, starts=neighbours,
+                             storage=opts.optuna_storage, compiler=pool, progress=on_trial)
         confirming = time.perf_counter()
         decision = confirm(problem, sku, measurer, results)
     except (TuningError, RuntimeError) as e:  # RuntimeError: torch's, measuring in-process
@@ -150,7 +163,22 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
     writer.publish_bucket(run_id, sku.to_row(), problem.to_row(), [_record(r) for r in fresh],
                           winner, found_by=measured_by.get((w.kernel, params_key(w.params))))
     return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds,
-                         device=lane.device)
+                         device=lane.device, reconfirmed=again[0] if again else None)
+
+
+def _table_winner(rows: Iterable[db.WinnerRecord], sku: SKU, problem: MoEProblem,
+                  registry: Registry, candidates: set[str]
+                  ) -> tuple[int, str, dict[str, Any]] | None:
+    """The run, kernel and params (as validated today) of the table's winner for ``problem``
+    on ``sku``, whatever versions it was timed under and whatever rule it was timed against,
+    when its kernel is a candidate here; else None."""
+    for row in rows:
+        if row_verdict(row, sku).other_sku or row.kernel not in candidates:
+            continue
+        point = row_point(row, registry)
+        if point is not None and point[0] == problem:
+            return row.run_id, row.kernel, point[1]
+    return None
 
 
 def _record(r: Result) -> db.MeasurementRecord:

@@ -17,7 +17,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from moetune import db
-from moetune.errors import MoetuneError, TuningError
+from moetune.errors import MoetuneError, ShapeError, TuningError
 from moetune.runtime.dispatcher import Dispatcher, shipped_table
 from moetune.runtime.platform import SKU, detect_sku
 from moetune.runtime.problem import Activation, DType, QuantScheme
@@ -27,7 +27,8 @@ from moetune.tuner.inputs import Routing
 from moetune.tuner.bucket import BucketOutcome
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.search import REFINE, TRIALS
-from moetune.tuner.shapes import ShapeOptions, parse_buckets, problems_from_misses, resolve
+from moetune.tuner.shapes import (ShapeOptions, parse_buckets, problems_from_misses,
+                                  problems_in_table, resolve)
 
 # vLLM warns when its CPU kernels are first imported ("Triton is installed, but doesn't include
 # CPU backend"), before its own logging is set up; moetune's output is its own.
@@ -110,7 +111,12 @@ def tune(
         "(default: on for CUDA)")] = None,
     skip_tuned: Annotated[bool, typer.Option(
         "--skip-tuned", help="Leave buckets the table already has a measured winner for (timed "
-        "against the rule as it is now)")] = False,
+        "against the rule as it is now, under these torch/Triton/CUDA versions)")] = False,
+    reconfirm: Annotated[bool, typer.Option(
+        "--reconfirm", help="Where the table has a winner for a bucket, timed under any "
+        "versions or rule, re-time it against the rule here and confirm again instead of "
+        "searching (seconds per bucket); buckets without one are searched. Without a shape: "
+        "every bucket the table has for this GPU")] = False,
     gpus: Annotated[int, typer.Option(
         min=1, help="Tune buckets in parallel on this many GPUs of this host (cuda:0 ... "
         "cuda:N-1, the same model), one bucket per GPU at a time")] = 1,
@@ -123,19 +129,22 @@ def tune(
         help="Optuna storage URL for the studies (default: in memory)")] = None,
 ) -> None:
     """Time every eligible kernel per bucket and write the winners to a table."""
+    sku = detect_sku(device.value)
+    sizes = (preset, config, hidden, intermediate, experts, topk)
     if from_misses:
         problems = problems_from_misses(from_misses)
+    elif reconfirm and all(v is None for v in sizes):
+        problems = problems_in_table(_existing_rows(output), sku)
     else:
         shape, default_buckets = resolve(ShapeOptions(
             preset, config, tp, ep, hidden, intermediate, experts, topk, dtype, quant,
             activation, router_weight_on_input))
         problems = [shape.problem(m) for m in parse_buckets(buckets, default_buckets)]
-    sku = detect_sku(device.value)
     dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
     opts = JobOptions(device=dev, trials=trials, refine=refine, seed=seed, routing=routing, reps=reps,
                       optuna_storage=optuna_storage, isolate=isolate,
                       compile_workers=compile_workers, devices=_gpus(gpus, dev, sku),
-                      skip_tuned=skip_tuned)
+                      skip_tuned=skip_tuned, reconfirm=reconfirm)
     shown = db.display_url(output) if db.is_url(output) else output
     out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {shown}")
     with Progress(console=err, transient=True) as progress:
@@ -158,6 +167,18 @@ def tune(
     failed = [o for o in outcomes if o.error]
     if failed:
         raise TuningError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
+
+
+def _existing_rows(output: str) -> list[db.WinnerRecord]:
+    """The winners of the table ``tune --reconfirm`` re-confirms in place.
+
+    Raises:
+        ShapeError: no such table file (the shape must then be given).
+    """
+    if not db.is_url(output) and not Path(output).exists():
+        raise ShapeError(f"{output}: no such table to re-confirm; give a shape (--preset, "
+                         "--config or the sizes) to tune one")
+    return db.read_winners(output).rows
 
 
 def _gpus(count: int, device: str, sku: SKU) -> tuple[str, ...]:

@@ -19,10 +19,12 @@ from moetune.tuner.bucket import BucketOutcome
 
 def winner_dicts(snapshot: db.TableSnapshot, sku: SKU) -> list[dict[str, Any]]:
     """One flat dict per winner row (``moetune show --json``), with whether serving on ``sku``
-    uses it (``served``) and why (``served_reason``); unreadable rows have ``bad_row``."""
+    here, under these versions, uses it (``served``) and why (``served_reason``); unreadable
+    rows have ``bad_row``."""
     rows = []
+    here = environment()
     for r in snapshot.rows:
-        verdict = row_verdict(r, sku)
+        verdict = row_verdict(r, sku, environment=here)
         rows.append({**r.bucket, "sku": r.sku["name"], "arch": r.sku["arch"],
                      "kernel": r.kernel, "params": r.params, "median_us": r.median_us,
                      "p20_us": r.p20_us, "p80_us": r.p80_us, "error": r.error,
@@ -41,8 +43,9 @@ def winners_table(snapshot: db.TableSnapshot, sku: SKU) -> Table:
                 "speedup", "rel err", "served here"):
         table.add_column(col, justify="right" if col in ("tokens", "time us", "base us",
                                                          "speedup", "rel err") else "left")
+    here = environment()
     for r in sorted(snapshot.rows, key=lambda r: (_shape_label(r.bucket), r.bucket["num_tokens"])):
-        verdict = row_verdict(r, sku)
+        verdict = row_verdict(r, sku, environment=here)
         served = "yes" if verdict.selection is not None else f"[red]no[/red]: {verdict.reason}"
         table.add_row(_shape_label(r.bucket), str(r.bucket["num_tokens"]), r.kernel,
                       json.dumps(r.params, sort_keys=True) if r.params else "-",
@@ -110,10 +113,12 @@ def outcome_line(o: BucketOutcome) -> str:
     if o.decision is None:
         return f"{head} [red]failed[/red]: {o.error}"
     d = o.decision
+    how = (f"run {o.reconfirmed}'s winner re-timed, no search" if o.reconfirmed is not None
+           else f"{o.reused} reused")
     return (f"{head} {d.winner.kernel} {json.dumps(d.winner.params) if d.winner.params else ''} "
             f"{d.winner_timing.median_us:.1f}us vs {d.baseline.kernel} "
             f"{d.baseline_timing.median_us:.1f}us ({d.reason}); {o.measured} measured, "
-            f"{o.reused} reused{_phases(o.seconds)}")
+            f"{how}{_phases(o.seconds)}")
 
 
 def _phases(seconds: dict[str, float]) -> str:

@@ -219,6 +219,27 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     return results
 
 
+def remeasure(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer,
+              candidates: list[type[BaseKernel]],
+              points: Sequence[tuple[str, dict[str, Any]]]) -> dict[Key, Result]:
+    """The rule variants and ``points`` (kernel, params) each measured once, gated and timed:
+    what the confirmation needs to decide a bucket again whose winner a table already names
+    (``tune --reconfirm``), without a search. Points of kernels that are not candidates here
+    are left out.
+
+    Raises:
+        TuningError: the rule's kernel is not among the candidates.
+    """
+    names = [k.name for k in candidates]
+    firsts = [(v.kernel, v.params) for v in _variants(problem, sku, names)]
+    results: dict[Key, Result] = {}
+    for name, params in firsts + [(n, p) for n, p in points if n in names]:
+        key = (name, params_key(params))
+        if key not in results:
+            results[key] = measurer.measure(name, params)
+    return results
+
+
 def translations(problem: MoEProblem, kernels: dict[str, type[BaseKernel]],
                  best: Result) -> list[tuple[type[BaseKernel], dict[str, Any]]]:
     """The other families' parameters doing ``best``'s work per program, where both sides

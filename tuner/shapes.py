@@ -5,8 +5,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Iterable
 
+from moetune import db
 from moetune.errors import FormatError, ShapeError
+from moetune.runtime.dispatcher import row_verdict
+from moetune.runtime.platform import SKU
 from moetune.runtime.problem import (DEFAULT_BUCKETS, Activation, DType, MoEProblem, QuantScheme,
                                      Shape, parse_enum)
 from moetune.tuner.presets import preset, shape_from_config
@@ -98,3 +102,19 @@ def problems_from_misses(path: Path) -> list[MoEProblem]:
         except (ValueError, KeyError, TypeError) as e:
             raise FormatError(f"{path}:{n}: not a recorded problem ({e})") from None
     return list(problems)
+
+
+def problems_in_table(rows: Iterable[db.WinnerRecord], sku: SKU) -> list[MoEProblem]:
+    """The buckets a table has winners for on ``sku`` (rows whose bucket is not a problem are
+    left out), in a stable order: shape, then num_tokens.
+
+    Raises:
+        ShapeError: the table has none for ``sku``.
+    """
+    problems = {v.problem for v in (row_verdict(r, sku) for r in rows)
+                if not v.other_sku and v.problem is not None}
+    if not problems:
+        raise ShapeError(f"the table has no buckets for {sku.label()}: give a shape "
+                         "(--preset, --config or the sizes)")
+    return sorted(problems, key=lambda p: (dataclasses.replace(p, num_tokens=1).describe(),
+                                           p.num_tokens))
