@@ -47,6 +47,10 @@ def test_tune_reconfirm_without_a_shape_re_times_every_bucket_of_the_table(tiny_
     assert [line.split()[0] for line in lines] == ["M=1", "M=16", "M=64"]
     assert all("s winner re-timed, no search" in line for line in lines), lines
     assert {r.run_id for r in db.read_winners(path).rows} == {2}
+    one = invoke("tune", "--reconfirm", "--device", "cpu", "--output", path, "--reps", 2,
+                 "--buckets", "16,2048")  # of the table's buckets, those listed
+    assert [line.split()[0] for line in one.output.splitlines() if line.startswith("M=")] \
+        == ["M=16"]
     missing = invoke("tune", "--reconfirm", "--device", "cpu", "--output", tmp_path / "no.db")
     assert missing.exit_code == 1 and "no such table to re-confirm" in missing.output
     assert not (tmp_path / "no.db").exists()

@@ -595,6 +595,14 @@ def test_source_commit_names_the_checkout_and_marks_modified_files(tmp_path):
     head = subprocess.run([*git, "rev-parse", "HEAD"], check=True, capture_output=True,
                           text=True).stdout.strip()
     (tmp_path / "notes.txt").write_text("untracked files are not the code\n")
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "probe.py").write_text("nor scripts beside the packages\n")
     assert source_commit(tmp_path) == head
+    (tmp_path / "runtime" / "kernels").mkdir(parents=True)
+    (tmp_path / "runtime" / "kernels" / "new.py").write_text("B = 1\n")  # not committed yet
+    assert source_commit(tmp_path) == f"{head}+modified"
+    assert source_commit(tmp_path / "scripts") == f"{head}+modified"  # from inside it too
+    (tmp_path / "runtime" / "kernels" / "new.py").unlink()
+    assert source_commit(tmp_path / "scripts") == head
     (tmp_path / "kernel.py").write_text("A = 2\n")
     assert source_commit(tmp_path) == f"{head}+modified"

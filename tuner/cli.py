@@ -116,7 +116,7 @@ def tune(
         "--reconfirm", help="Where the table has a winner for a bucket, timed under any "
         "versions or rule, re-time it against the rule here and confirm again instead of "
         "searching (seconds per bucket); buckets without one are searched. Without a shape: "
-        "every bucket the table has for this GPU")] = False,
+        "every bucket the table has for this GPU (those of --buckets, if given)")] = False,
     gpus: Annotated[int, typer.Option(
         min=1, help="Tune buckets in parallel on this many GPUs of this host (cuda:0 ... "
         "cuda:N-1, the same model), one bucket per GPU at a time")] = 1,
@@ -135,6 +135,9 @@ def tune(
         problems = problems_from_misses(from_misses)
     elif reconfirm and all(v is None for v in sizes):
         problems = problems_in_table(_existing_rows(output), sku)
+        if buckets:
+            wanted = set(parse_buckets(buckets, ()))
+            problems = [p for p in problems if p.num_tokens in wanted]
     else:
         shape, default_buckets = resolve(ShapeOptions(
             preset, config, tp, ep, hidden, intermediate, experts, topk, dtype, quant,

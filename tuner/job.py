@@ -67,10 +67,15 @@ class JobOptions(BucketOptions):
         return workers if workers >= 2 and self.device.startswith("cuda") else 0  # 1 = serial
 
 
+#: The folders of moetune's code in its checkout.
+_PACKAGES = ("db", "runtime", "tuner")
+
+
 def source_commit(checkout: Path = Path(__file__).parent) -> str | None:
     """The git commit moetune runs from, when it runs from a checkout; ``+modified`` when
-    tracked files differ from it (a copied working tree whose ``.git`` lags behind), so a
-    table never names a commit whose code it was not tuned with."""
+    tracked files differ from it (a copied working tree whose ``.git`` lags behind) or the
+    packages hold Python files git does not track (a kernel not committed yet), so a table
+    never names a commit whose code it was not tuned with."""
     def git(*args: str) -> str | None:
         try:
             out = subprocess.run(["git", *args], cwd=checkout, capture_output=True, text=True,
@@ -83,7 +88,9 @@ def source_commit(checkout: Path = Path(__file__).parent) -> str | None:
     if not head:
         return None
     changed = git("status", "--porcelain", "--untracked-files=no")
-    return head if changed == "" else f"{head}+modified"
+    added = git("ls-files", "--others", "--exclude-standard", "--",
+                *(f":/{package}/*.py" for package in _PACKAGES))
+    return head if changed == "" and added == "" else f"{head}+modified"
 
 
 def _command_line() -> str:
