@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import os
 from pathlib import Path
 from typing import Any
 
@@ -24,8 +25,8 @@ from moetune.runtime.problem import MoEProblem, Shape, nearest
 from moetune.runtime.registry import Registry, default_registry
 from moetune.runtime.rules import is_rule_pick, rule_choice
 
-__all__ = ["Dispatcher", "RowVerdict", "Selection", "TableStatus", "row_point", "row_problem",
-           "row_verdict", "shipped_table"]
+__all__ = ["Dispatcher", "RowVerdict", "Selection", "TableStatus", "adopted_table",
+           "default_table", "row_point", "row_problem", "row_verdict", "shipped_table"]
 
 TABLES_DIR = Path(__file__).resolve().parent / "tables"
 
@@ -33,6 +34,24 @@ TABLES_DIR = Path(__file__).resolve().parent / "tables"
 def shipped_table(sku: SKU) -> Path:
     """Where the table shipped for ``sku`` lives: ``runtime/tables/<vendor>_<name>.db``."""
     return TABLES_DIR / f"{sku.vendor.value}_{sku.name}.db"
+
+
+def adopted_table(sku: SKU) -> Path:
+    """Where ``moetune adopt`` keeps this machine's copy of the shipped table, re-confirmed
+    under the versions installed here: ``$MOETUNE_HOME/tables/<vendor>_<name>.db``, by default
+    under ``$XDG_DATA_HOME/moetune`` (``~/.local/share/moetune``). Outside the installed
+    package, so an upgrade or a read-only site-packages leaves it alone."""
+    home = os.environ.get("MOETUNE_HOME")
+    if not home:
+        data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+        home = Path(data) / "moetune"
+    return Path(home) / "tables" / shipped_table(sku).name
+
+
+def default_table(sku: SKU) -> Path | None:
+    """The table serving, ``lookup`` and ``doctor`` use when none is given: this machine's
+    adopted copy if there is one, else the shipped table, else None."""
+    return next((p for p in (adopted_table(sku), shipped_table(sku)) if p.is_file()), None)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,6 +214,7 @@ def _foreign(skus: list[dict[str, Any]], table_environment: dict[str, Any], sku:
         mismatches = environment_mismatches(table_environment, environment())
         if mismatches:
             return ("measured in another environment: " + "; ".join(mismatches)
-                    + " (re-confirm a copy of it here, seconds per bucket: moetune tune "
-                    "--reconfirm --output COPY)")
+                    + " (re-confirm it here, seconds per bucket: moetune adopt for the table "
+                    "shipped with moetune, moetune tune --reconfirm --output COPY for a copy of "
+                    "another)")
     return None

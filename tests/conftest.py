@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -10,6 +12,10 @@ from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.presets import preset
+
+# Tables adopted on the machine running the tests (``moetune adopt``) must not stand in for the
+# shipped ones the tests mean; vLLM processes the tests start inherit this too.
+os.environ["MOETUNE_HOME"] = tempfile.mkdtemp(prefix="moetune-home-")
 
 
 @pytest.fixture(scope="session")

@@ -12,6 +12,7 @@ from moetune.runtime.platform import detect_sku, environment
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.presets import preset
 from moetune.tuner.cli import app
+from moetune.tuner.job import JobOptions, run_job
 
 runner = CliRunner()
 
@@ -23,7 +24,7 @@ def invoke(*args):
 def test_help_lists_every_command():
     result = invoke("--help")
     assert result.exit_code == 0
-    for cmd in ("tune", "show", "lookup", "export", "import", "merge", "doctor"):
+    for cmd in ("tune", "adopt", "show", "lookup", "export", "import", "merge", "doctor"):
         assert cmd in result.output
 
 
@@ -88,7 +89,7 @@ def test_doctor_reports_device_and_eligibility():
 
 def test_doctor_says_whether_the_shipped_table_is_used_here(monkeypatch):
     """Under other versions than the shipped H200 table's, doctor says it is not used, which
-    versions differ and how to re-tune it; under its own, how many rows it serves."""
+    versions differ and how to adopt it; under its own, how many rows it serves."""
     import moetune.runtime.dispatcher as dispatcher
     from moetune.runtime.platform import SKU, Vendor
     from moetune.runtime.registry import default_registry
@@ -106,7 +107,7 @@ def test_doctor_says_whether_the_shipped_table_is_used_here(monkeypatch):
     monkeypatch.setattr(dispatcher, "environment", lambda: {**recorded, "torch": "9.9.0"})
     line = table_line()
     assert "nvidia_H200.db (measured in another environment: torch 2.11 (table) != 9.9 " \
-           "(here)" in line and "moetune tune --reconfirm" in line
+           "(here)" in line and "moetune adopt" in line
     monkeypatch.setattr(dispatcher, "environment", lambda: recorded)
     assert table_line().endswith("nvidia_H200.db (90 rows for nvidia:H200 (sm_90, 132 units))")
 
@@ -168,6 +169,53 @@ def test_lookup_defaults_to_the_shipped_table_for_this_device(tiny_table, cpu_sk
     shutil.copy(tiny_table, dispatcher.shipped_table(cpu_sku))
     shipped = invoke(*args)
     assert "source:  table" in shipped.output and str(tmp_path) in shipped.output
+
+
+def test_adopt_re_confirms_the_shipped_table_into_the_copy_serving_then_uses(
+        tiny_table, cpu_sku, tmp_path, monkeypatch):
+    """A table shipped from other versions serves nothing here; ``adopt`` re-times its winners
+    into this machine's copy, which lookup (and serving) then use; a second ``adopt`` has
+    nothing left to do, and one after the shipped table changed starts from the new one."""
+    import sqlite3
+
+    import moetune.runtime.dispatcher as dispatcher
+
+    monkeypatch.setattr(dispatcher, "TABLES_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    assert "no table is shipped for" in invoke("adopt", "--device", "cpu").output
+    shipped = dispatcher.shipped_table(cpu_sku)
+    shipped.parent.mkdir()
+    shutil.copy(tiny_table, shipped)
+    with sqlite3.connect(shipped) as con:
+        con.execute("UPDATE tuning_run SET environment = json_set(environment, '$.torch', "
+                    "'1.13.1')")
+    lookup = ("lookup", "--preset", "tiny", "--num-tokens", 16, "--device", "cpu")
+    before = invoke(*lookup).output
+    assert str(shipped) in before and "measured in another environment" in before
+    assert "moetune adopt" in before
+
+    adopted = invoke("adopt", "--device", "cpu", "--reps", 2)
+    assert adopted.exit_code == 0, adopted.output
+    lines = [line for line in adopted.output.splitlines() if line.startswith("M=")]
+    assert len(lines) == 3 and all("winner re-timed, no search" in line for line in lines)
+    copy = dispatcher.adopted_table(cpu_sku)
+    assert copy == tmp_path / "home" / "tables" / shipped.name and dispatcher.default_table(
+        cpu_sku) == copy
+    after = invoke(*lookup).output
+    assert str(copy) in after and "source:  table" in after
+    assert [(r.bucket, r.median_us, r.run_id) for r in db.read_winners(shipped).rows] == [
+        (r.bucket, r.median_us, r.run_id) for r in db.read_winners(tiny_table).rows]  # untouched
+
+    again = invoke("adopt", "--device", "cpu", "--reps", 2).output
+    assert again.count("skipped: already tuned (run 2: ") == 3
+    run_job([preset("tiny").shape.problem(2)], shipped, cpu_sku,  # a new release's table
+            JobOptions(device="cpu", trials=2, refine=0, reps=2))
+    assert "the shipped table has changed since it was adopted" in invoke(
+        "doctor", "--device", "cpu").output
+    fresh = invoke("adopt", "--device", "cpu", "--reps", 2).output
+    assert [line.split()[0] for line in fresh.splitlines() if line.startswith("M=")] == [
+        "M=1", "M=2", "M=16", "M=64"]
+    assert "skipped: already tuned (run 2: " in fresh  # the new release's own row is current
 
 
 def test_show_and_lookup_say_why_a_row_is_not_served_here(tmp_path):

@@ -382,6 +382,19 @@ def test_strict_refuses_a_missing_table_at_register(fresh_plugin, monkeypatch, t
         plugin.register()
 
 
+def test_without_moetune_table_the_adopted_table_comes_before_the_shipped_one(
+        table, tmp_path, monkeypatch, cpu_sku):
+    monkeypatch.setattr(dispatcher_module, "TABLES_DIR", tmp_path / "shipped")
+    monkeypatch.setenv("MOETUNE_HOME", str(tmp_path / "home"))
+    assert PluginState(Settings()).dispatcher().path is None  # none shipped, none adopted
+    for where in (dispatcher_module.shipped_table(cpu_sku),
+                  dispatcher_module.adopted_table(cpu_sku)):
+        where.parent.mkdir(parents=True)
+        where.write_bytes(table.read_bytes())
+        assert Path(PluginState(Settings()).dispatcher().path) == where
+    assert Path(PluginState(Settings(table=table)).dispatcher().path) == table
+
+
 def test_stats_file_is_written_per_process(table, tmp_path):
     state = PluginState(Settings(table=table, stats=str(tmp_path / "s-{pid}.json")))
     state.report()  # nothing ran: no file

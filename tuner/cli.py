@@ -18,10 +18,11 @@ from rich.progress import Progress
 
 from moetune import db
 from moetune.errors import MoetuneError, ShapeError, TuningError
-from moetune.runtime.dispatcher import Dispatcher, shipped_table
+from moetune.runtime.dispatcher import Dispatcher, default_table
 from moetune.runtime.platform import SKU, detect_sku
-from moetune.runtime.problem import Activation, DType, QuantScheme
+from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 from moetune.runtime.registry import default_registry
+from moetune.tuner import adopt as adopt_table
 from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
 from moetune.tuner.bucket import BucketOutcome
@@ -148,18 +149,28 @@ def tune(
                       optuna_storage=optuna_storage, isolate=isolate,
                       compile_workers=compile_workers, devices=_gpus(gpus, dev, sku),
                       skip_tuned=skip_tuned, reconfirm=reconfirm)
+    _run(problems, output, sku, opts)
+
+
+def _run(problems: list[MoEProblem], output: str, sku: SKU, opts: JobOptions) -> None:
+    """Run the job with a progress bar and a line per bucket, then print the table.
+
+    Raises:
+        TuningError: some buckets failed (each said why in its line).
+    """
     shown = db.display_url(output) if db.is_url(output) else output
     out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {shown}")
+    steps = opts.trials + opts.refine  # the local search may stop early
     with Progress(console=err, transient=True) as progress:
-        task = progress.add_task("", total=trials + refine)  # the local search may stop early
+        task = progress.add_task("", total=steps)
 
         def on_bucket(o: BucketOutcome) -> None:
             if not opts.devices:  # one bucket at a time: a bar per bucket
-                progress.reset(task, total=trials + refine)
+                progress.reset(task, total=steps)
             out.print(report.outcome_line(o), highlight=False)
 
         if opts.devices:
-            progress.reset(task, total=(trials + refine) * len(problems))
+            progress.reset(task, total=steps * len(problems))
 
         def on_trial() -> None:
             progress.advance(task)
@@ -170,6 +181,24 @@ def tune(
     failed = [o for o in outcomes if o.error]
     if failed:
         raise TuningError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
+
+
+@app.command()
+@_errors_to_exit
+def adopt(device: DeviceOpt = Device.auto,
+          reps: Annotated[int, typer.Option(min=2, help="Timed repetitions per "
+                                            "measurement")] = 20) -> None:
+    """Re-confirm the table shipped for this GPU under the torch/Triton/CUDA versions installed
+    here, into this machine's copy ($MOETUNE_HOME/tables), which serving, lookup and doctor then
+    use by default: each bucket's winner re-timed beside vLLM's pick, kept where it still wins.
+    Resumable; starts again from the shipped table after an upgrade changed it."""
+    sku = detect_sku(device.value)
+    path, problems = adopt_table.prepare(sku)
+    dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
+    _run(problems, str(path), sku, JobOptions(device=dev, reps=reps, skip_tuned=True,
+                                             reconfirm=True))
+    out.print(f"serving uses {path} on this device by default now (MOETUNE_TABLE overrides)",
+              highlight=False)
 
 
 def _existing_rows(output: str) -> list[db.WinnerRecord]:
@@ -229,8 +258,8 @@ def show(table: Annotated[str, typer.Argument(help="Table file or database URL")
 def lookup(
     num_tokens: Annotated[int, typer.Option(min=1, help="Tokens in the MoE call")],
     table: Annotated[Optional[str], typer.Option(
-        help="Table file or database URL to consult (default: the one shipped for this device, "
-        "if any)")] = None,
+        help="Table file or database URL to consult (default: this machine's adopted table for "
+        "this device, else the one shipped for it, if any)")] = None,
     preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
     hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
     topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
@@ -241,9 +270,7 @@ def lookup(
                                     dtype, quant, activation, router_weight_on_input))
     problem = shape.problem(num_tokens)
     sku = detect_sku(device.value)
-    if table is None and shipped_table(sku).is_file():
-        table = str(shipped_table(sku))
-    dispatcher = Dispatcher.load(table, sku)
+    dispatcher = Dispatcher.load(table or default_table(sku), sku)
     selection = dispatcher.select(problem)
     out.print(report.lookup_text(problem, dispatcher, selection), highlight=False)
 
@@ -255,7 +282,8 @@ def doctor(device: DeviceOpt = Device.auto, preset: Annotated[str, typer.Option(
     """Platform, SKU, software versions, and which kernels are eligible here (and why not)."""
     shape, _ = resolve(ShapeOptions(preset=preset))
     sku = detect_sku(device.value)
-    out.print(report.doctor_text(sku, default_registry, shape.problem(1)), highlight=False)
+    out.print(report.doctor_text(sku, default_registry, shape.problem(1)), highlight=False,
+              soft_wrap=True)
 
 
 @app.command("export")

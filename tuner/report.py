@@ -9,11 +9,13 @@ from typing import Any
 from rich.table import Table
 
 from moetune import db
-from moetune.runtime.dispatcher import Dispatcher, Selection, row_verdict, shipped_table
+from moetune.runtime.dispatcher import (Dispatcher, Selection, default_table, row_verdict,
+                                        shipped_table)
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
 from moetune.runtime.rules import rule_choice
+from moetune.tuner.adopt import outdated
 from moetune.tuner.bucket import BucketOutcome
 
 
@@ -142,13 +144,17 @@ def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, s: Selection) -> st
 
 
 def doctor_text(sku: SKU, registry: Registry, problem: MoEProblem) -> str:
-    """The device, the versions here, whether the table shipped for it is used here (and why
-    not), the rule and each kernel's eligibility for ``problem``."""
+    """The device, the versions here, whether the table serving uses by default (adopted or
+    shipped) is used here (and why not), the rule and each kernel's eligibility for
+    ``problem``."""
     env = environment()
-    shipped = shipped_table(sku)
-    table = (f"{shipped} ({Dispatcher.load(shipped, sku, registry=registry).status.reason})"
-             if shipped.is_file() else "none shipped for this device (tune one: moetune tune "
+    path = default_table(sku)
+    table = (f"{path} ({Dispatcher.load(path, sku, registry=registry).status.reason})"
+             if path else "none shipped for this device (tune one: moetune tune "
              "... --output T, then serve with MOETUNE_TABLE=T)")
+    shipped = shipped_table(sku)
+    if path is not None and path != shipped and shipped.is_file() and outdated(shipped, path):
+        table += "; the shipped table has changed since it was adopted: run moetune adopt"
     lines = [f"device:  {sku.label()}, {sku.memory_bytes / 2**30:.0f} GiB",
              "software: " + ", ".join(f"{k} {v}" for k, v in env.items() if v),
              f"table:   {table}",

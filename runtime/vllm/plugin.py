@@ -7,7 +7,9 @@ does nothing either: settings are read, and vLLM's MoE experts hooked (``hook``)
 
 Settings (environment):
     MOETUNE_MODE    off | lookup (default) | strict | record
-    MOETUNE_TABLE   table file; default ``runtime/tables/<vendor>_<name>.db`` for this SKU
+    MOETUNE_TABLE   table file; default this machine's adopted table for this SKU
+                    (``moetune adopt``), else ``runtime/tables/<vendor>_<name>.db``
+    MOETUNE_HOME    where adopted tables live (default ``~/.local/share/moetune``)
     MOETUNE_MISSES  where ``record`` appends missed buckets (default moetune-misses.jsonl)
     MOETUNE_STATS   where each process that ran MoE layers writes its counters at exit
                     (``{pid}`` is replaced by the process id)
@@ -72,7 +74,7 @@ def register() -> None:
     _STATE = state
     logger.info("moetune: hooked %s of vLLM %s, mode %s, table %s (read at the first MoE layer; "
                 "pid %d)", ", ".join(hooked), vllm, settings.mode.value,
-                settings.table or "shipped for this SKU", os.getpid())
+                settings.table or "adopted or shipped for this SKU", os.getpid())
 
 
 def _disable(strict: bool, why: str, error: Exception | None) -> None:

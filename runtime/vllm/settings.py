@@ -38,7 +38,8 @@ class Settings:
 
     Attributes:
         mode: ``MOETUNE_MODE`` (default ``lookup``).
-        table: ``MOETUNE_TABLE``; None means the table shipped for the detected SKU, if any.
+        table: ``MOETUNE_TABLE``; None means this machine's adopted table for the detected
+            SKU (``moetune adopt``), else the one shipped for it, if any.
         misses: ``MOETUNE_MISSES``, where ``record`` appends missed buckets (JSON lines).
         stats: ``MOETUNE_STATS``, where each process that ran MoE layers writes its counters at
             exit (``{pid}`` in the path is replaced by the process id).

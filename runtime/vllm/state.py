@@ -91,13 +91,11 @@ class PluginState:
         return self._dispatcher
 
     def _load(self) -> Any:
-        from moetune.runtime.dispatcher import Dispatcher, shipped_table
+        from moetune.runtime.dispatcher import Dispatcher, default_table
         from moetune.runtime.platform import detect_sku
 
         sku = detect_sku("auto")
-        path = self.settings.table
-        if path is None and shipped_table(sku).is_file():
-            path = shipped_table(sku)
+        path = self.settings.table or default_table(sku)
         dispatcher = Dispatcher.load(path, sku)
         mode = self.settings.mode.value
         strict = self.settings.mode is Mode.STRICT
