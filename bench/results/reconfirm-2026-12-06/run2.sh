@@ -8,7 +8,7 @@ export PYTHONPATH=$HOME/site:${PYTHONPATH:-}
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
 export VLLM_TUNED_CONFIG_FOLDER=$PWD/.vllm-configs
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader | tee $OUT/gpu-run2.txt
-cp bench/results/reconfirm-h100-2026-12-06/adopted-run1.db $OUT/adopted.db
+cp bench/results/reconfirm-2026-12-06/adopted-run1.db $OUT/adopted.db
 start=$(date +%s)
 timeout 420 moetune tune --device cuda --skip-tuned --reconfirm --output $OUT/adopted.db \
   > $OUT/reconfirm-rest-run2.log 2>&1
