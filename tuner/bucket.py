@@ -125,10 +125,11 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                   lane: Lane) -> BucketOutcome:
     candidates = registry.candidates(problem, sku)
     worker, pool = lane.worker, lane.pool
-    again = _table_winner(writer.winners(), sku, problem, registry,
+    rows = writer.winners()
+    again = _table_winner(rows, sku, problem, registry,
                           {k.name for k in candidates}) if opts.reconfirm else None
     known, measured_by = ({}, {}) if again else _known_results(writer, sku, problem, registry)
-    neighbours = _neighbour_winners(writer.winners(), sku, problem, registry)
+    neighbours = [] if again else _neighbour_winners(rows, sku, problem, registry)
     start = time.perf_counter()
     compiled_before = pool.seconds if pool else 0.0
     try:
