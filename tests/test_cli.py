@@ -216,6 +216,10 @@ def test_adopt_re_confirms_the_shipped_table_into_the_copy_serving_then_uses(
     assert [line.split()[0] for line in fresh.splitlines() if line.startswith("M=")] == [
         "M=1", "M=2", "M=16", "M=64"]
     assert "skipped: already tuned (run 2: " in fresh  # the new release's own row is current
+    copy.write_bytes(b"damaged" * 100)
+    repaired = invoke("adopt", "--device", "cpu", "--reps", 2)
+    assert repaired.exit_code == 0, repaired.output
+    assert len(db.read_winners(copy).rows) == 4
 
 
 def test_show_and_lookup_say_why_a_row_is_not_served_here(tmp_path):

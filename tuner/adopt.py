@@ -5,7 +5,7 @@ Rows are served only under the torch/Triton/CUDA versions they were timed under,
 vLLM may pin others than the ones the shipped table was measured with. Adopting re-times each
 bucket's winner beside the rule here (``tune --reconfirm``): seconds per bucket, no search.
 The copy is resumable (buckets already timed here are skipped) and starts again from the
-shipped table when that table has changed (a moetune upgrade).
+shipped table when that table has changed (a moetune upgrade) or the copy cannot be read.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def prepare(sku: SKU) -> tuple[Path, list[MoEProblem]]:
     if not shipped.is_file():
         raise TableError(f"no table is shipped for {sku.label()}: tune one (moetune tune ... "
                          "--output T) and serve it with MOETUNE_TABLE=T")
-    if not target.is_file() or outdated(shipped, target):
+    if not target.is_file() or _unreadable(target) or outdated(shipped, target):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.copying")
         shutil.copyfile(shipped, partial)
@@ -47,3 +47,13 @@ def outdated(shipped: Path, adopted: Path) -> bool:
         return {(r.started_at, r.host, r.command) for r in db.read_runs(path)}
 
     return not runs(shipped) <= runs(adopted)
+
+
+def _unreadable(path: Path) -> bool:
+    """The copy is not a table moetune can read (damaged by hand or by a full disk): adopting
+    starts again from the shipped table rather than failing on it every time."""
+    try:
+        db.read_runs(path)
+    except TableError:
+        return True
+    return False
