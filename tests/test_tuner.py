@@ -479,11 +479,15 @@ def test_skip_tuned_re_tunes_buckets_measured_under_other_versions(tmp_path, cpu
     assert {r.bucket["num_tokens"]: r.run_id for r in db.read_winners(path).rows} == {1: 3, 8: 2}
 
 
+@pytest.mark.parametrize("stale", [
+    "UPDATE tuning_run SET environment = json_set(environment, '$.torch', '1.13.1')",
+    """UPDATE winner SET baselines = '{"variants":[]}'""",  # timed against another rule
+])
 def test_reconfirm_re_times_the_tables_winner_and_the_rule_instead_of_searching(
-        tmp_path, cpu_sku):
-    """A bucket whose row was timed under another torch is decided again from that row's
-    winner and the rule variants alone: a winner no longer faster gives the bucket back to the
-    rule's pick, and the new row, timed here, is served here."""
+        tmp_path, cpu_sku, stale):
+    """A bucket whose row was timed under another torch, or against a rule not picked here, is
+    decided again from that row's winner and the rule variants alone: a winner no longer faster
+    gives the bucket back to the rule's pick, and the new row, timed here, is served here."""
     problem = MoEProblem(8, 64, 96, 8, 2, dtype="float32")
     rule = rule_choice(problem, cpu_sku)
     registry = _only(rule.kernel, NeedleKernel)
@@ -493,14 +497,13 @@ def test_reconfirm_re_times_the_tables_winner_and_the_rule_instead_of_searching(
     slow = {"a": 1, "b": 2}  # sleeps 20 ms a call; the search would have measured its seed
     with sqlite3.connect(path) as con:
         con.execute("UPDATE winner SET kernel = 'needle', params = ?", (json.dumps(slow),))
-        con.execute("UPDATE tuning_run SET environment = json_set(environment, '$.torch', "
-                    "'1.13.1')")
+        con.execute(stale)
     [old] = db.read_winners(path).rows
     assert row_verdict(old, cpu_sku, registry, environment()).stale
 
     [o] = run_job([problem], path, cpu_sku,
-                  JobOptions(device="cpu", trials=2, refine=0, reps=2, reconfirm=True),
-                  registry=registry)
+                  JobOptions(device="cpu", trials=2, refine=0, reps=2, reconfirm=True,
+                             skip_tuned=True), registry=registry)
     assert o.reconfirmed == 1 and o.reused == 0
     with sqlite3.connect(path) as con:
         timed = {(k, params_key(json.loads(p))) for k, p in con.execute(
