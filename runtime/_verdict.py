@@ -81,9 +81,8 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
         mismatches = environment_mismatches(row.environment, environment)
         if mismatches:
             return RowVerdict(None, f"stale: measured in another environment ("
-                                    f"{'; '.join(mismatches)}): re-confirm this bucket (tune --reconfirm)",
-                              problem,
-                              stale=True)
+                                    f"{'; '.join(mismatches)}): re-confirm this bucket "
+                                    "(tune --reconfirm)", problem, stale=True)
     rule = rule_choice(problem, sku)
     rule_key = params_key(rule.params)
     measured = next((b for b in row.baselines if b["kernel"] == rule.kernel

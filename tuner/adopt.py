@@ -33,7 +33,7 @@ def prepare(sku: SKU) -> tuple[Path, list[MoEProblem]]:
     if not shipped.is_file():
         raise TableError(f"no table is shipped for {sku.label()}: tune one (moetune tune ... "
                          "--output T) and serve it with MOETUNE_TABLE=T")
-    if not target.is_file() or _unreadable(target) or outdated(shipped, target):
+    if not target.is_file() or _copy_again(shipped, target):
         target.parent.mkdir(parents=True, exist_ok=True)
         partial = target.with_name(f".{target.name}.copying")
         shutil.copyfile(shipped, partial)
@@ -43,17 +43,21 @@ def prepare(sku: SKU) -> tuple[Path, list[MoEProblem]]:
 
 def outdated(shipped: Path, adopted: Path) -> bool:
     """The shipped table has runs the adopted copy lacks: it changed since it was adopted."""
-    def runs(path: Path) -> set[tuple[object, ...]]:
-        return {(r.started_at, r.host, r.command) for r in db.read_runs(path)}
-
-    return not runs(shipped) <= runs(adopted)
+    return not _runs(shipped) <= _runs(adopted)
 
 
-def _unreadable(path: Path) -> bool:
-    """The copy is not a table moetune can read (damaged by hand or by a full disk): adopting
-    starts again from the shipped table rather than failing on it every time."""
+def _copy_again(shipped: Path, adopted: Path) -> bool:
+    """The copy is outdated, or not a table moetune can read (damaged by hand or by a full
+    disk): adopting starts again from the shipped table rather than failing on it every time.
+    An unreadable shipped table is an error, and the copy is kept."""
+    theirs = _runs(shipped)
     try:
-        db.read_runs(path)
+        ours = _runs(adopted)
     except TableError:
         return True
-    return False
+    return not theirs <= ours
+
+
+def _runs(path: Path) -> set[tuple[object, ...]]:
+    """A table's runs, as a copy of it keeps them."""
+    return {(r.started_at, r.host, r.command) for r in db.read_runs(path)}

@@ -144,7 +144,7 @@ def tune(
             preset, config, tp, ep, hidden, intermediate, experts, topk, dtype, quant,
             activation, router_weight_on_input))
         problems = [shape.problem(m) for m in parse_buckets(buckets, default_buckets)]
-    dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
+    dev = _device_of(sku)
     opts = JobOptions(device=dev, trials=trials, refine=refine, seed=seed, routing=routing, reps=reps,
                       optuna_storage=optuna_storage, isolate=isolate,
                       compile_workers=compile_workers, devices=_gpus(gpus, dev, sku),
@@ -194,11 +194,15 @@ def adopt(device: DeviceOpt = Device.auto,
     Resumable; starts again from the shipped table after an upgrade changed it."""
     sku = detect_sku(device.value)
     path, problems = adopt_table.prepare(sku)
-    dev = "cpu" if sku.vendor.value == "cpu" else "cuda"
-    _run(problems, str(path), sku, JobOptions(device=dev, reps=reps, skip_tuned=True,
-                                             reconfirm=True))
+    _run(problems, str(path), sku, JobOptions(device=_device_of(sku), reps=reps,
+                                             skip_tuned=True, reconfirm=True))
     out.print(f"serving uses {path} on this device by default now (MOETUNE_TABLE overrides)",
               highlight=False)
+
+
+def _device_of(sku: SKU) -> str:
+    """The device a job on ``sku`` measures on."""
+    return "cpu" if sku.vendor.value == "cpu" else "cuda"
 
 
 def _existing_rows(output: str) -> list[db.WinnerRecord]:
