@@ -12,10 +12,10 @@ from typing import Any, Callable
 from moetune.runtime.kernels.aiter_triton import AiterTritonKernel
 from moetune.runtime.kernels.base import params_key
 from moetune.runtime.kernels.torch_loop import TorchLoopKernel
+from moetune.runtime.kernels.triton_config import vllm_config_variants
 from moetune.runtime.kernels.vllm_cpu_experts import VllmCpuExpertsKernel
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import MoEProblem, QuantScheme
-from moetune.runtime.vllm.configs import vllm_config_variants
 
 
 @dataclasses.dataclass(frozen=True)

@@ -49,7 +49,7 @@ def child(model: str, out: str, compiled: bool) -> None:
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     from vllm import LLM, SamplingParams
 
-    from moetune.runtime import vllm as moetune_vllm
+    from moetune import serving as moetune_vllm
 
     llm = LLM(model=model, skip_tokenizer_init=True, enforce_eager=not compiled, max_model_len=256,
               gpu_memory_utilization=0.3, dtype="float32", seed=0,
@@ -86,7 +86,8 @@ def hook_cost(llm, prompts, params) -> dict[str, float]:
     the estimate. vLLM's kernel runs on one thread meanwhile, for the same reason."""
     import torch
 
-    from moetune.runtime.vllm import classes, hook
+    from moetune.runtime.vllm import classes
+    from moetune.serving import hook
 
     cls = classes.CPU_SPECS[0].load()
     hooked = cls.__dict__["apply"]
@@ -152,9 +153,10 @@ def dispatch_overhead(table: Path, shape) -> dict[str, float]:
     from moetune.runtime.dispatcher import Dispatcher
     from moetune.runtime.platform import detect_sku
     from moetune.runtime.problem import MoEProblem
-    from moetune.runtime.vllm import classes, hook
-    from moetune.runtime.vllm.settings import Settings
-    from moetune.runtime.vllm.state import PluginState
+    from moetune.runtime.vllm import classes
+    from moetune.serving import hook
+    from moetune.serving.settings import Settings
+    from moetune.serving.state import PluginState
 
     n = 200_000
     dispatcher = Dispatcher.load(table, detect_sku("cpu"))

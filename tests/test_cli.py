@@ -11,7 +11,7 @@ from moetune import db
 from moetune.runtime.platform import detect_sku, environment
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.presets import preset
-from moetune.tuner.cli import app
+from moetune.cli import app
 from moetune.tuner.job import JobOptions, run_job
 
 runner = CliRunner()

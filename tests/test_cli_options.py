@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from moetune.runtime.problem import Activation, DType, QuantScheme
-from moetune.tuner.cli import app
+from moetune.cli import app
 
 
 @pytest.mark.parametrize("option,kind", [("--dtype", DType), ("--quant", QuantScheme),

@@ -15,7 +15,7 @@ from moetune.errors import TableError
 from moetune.runtime.dispatcher import Dispatcher
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem
-from moetune.tuner.cli import app
+from moetune.cli import app
 from moetune.tuner.job import JobOptions, run_job
 from tests import postgres
 

@@ -22,8 +22,8 @@ from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import MoEProblem, Shape
 from moetune.runtime.rules import rule_choice
-from moetune.runtime.vllm.settings import Mode, Settings
-from moetune.runtime.vllm.state import PluginState
+from moetune.serving.settings import Mode, Settings
+from moetune.serving.state import PluginState
 from tests.vllm_tables import write_winners
 
 H200 = SKU(Vendor.NVIDIA, "H200", "sm_90", 132, 141 << 30)

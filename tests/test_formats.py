@@ -14,7 +14,7 @@ from moetune.errors import MoetuneError
 from moetune.runtime.kernels.triton_config import SPACE
 from moetune.runtime.problem import MoEProblem
 from moetune.tuner import formats_aiter, formats_vllm
-from moetune.tuner.cli import app
+from moetune.cli import app
 from moetune.tuner.formats_io import Format, detect
 
 H200 = ("nvidia", "H200", "sm_90", 132, 141 << 30)

@@ -144,7 +144,7 @@ def test_unsupported_models_are_refused_naming_why_and_what_is_supported(tmp_pat
 def test_tune_on_an_unsupported_config_is_one_error_line_and_exit_1(tmp_path):
     from typer.testing import CliRunner
 
-    from moetune.tuner.cli import app
+    from moetune.cli import app
 
     output = tmp_path / "t.db"
     result = CliRunner().invoke(app, ["tune", "--config", str(write(tmp_path, GPT_OSS)),

@@ -18,7 +18,7 @@ from moetune import db
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.rules import rule_variants
-from moetune.tuner.cli import app
+from moetune.cli import app
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.presets import preset
 from moetune.tuner.report_data import load_report, shape_label

@@ -54,7 +54,7 @@ def test_cpu_rule_falls_back_to_the_torch_loop_where_vllm_cannot_run_it(changes,
 
 
 def test_cpu_rule_without_vllm_is_the_torch_loop_and_says_why(cpu_sku, monkeypatch):
-    monkeypatch.setattr(vllm_cpu_experts, "_vllm", lambda: (None, "vLLM is not installed"))
+    monkeypatch.setattr(vllm_cpu_experts, "vllm_cpu", lambda: (None, "vLLM is not installed"))
     choice = rule_choice(SMALL, cpu_sku)
     assert choice.kernel == "torch_loop" and "vLLM is not installed" in choice.reason
 

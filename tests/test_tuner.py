@@ -444,7 +444,7 @@ def test_a_job_on_several_devices_tunes_every_bucket_once_into_one_table(tmp_pat
 def test_gpus_needs_cuda_and_that_many_gpus():
     from typer.testing import CliRunner
 
-    from moetune.tuner.cli import app
+    from moetune.cli import app
 
     result = CliRunner().invoke(app, ["tune", "--output", "x.db", "--preset", "tiny",
                                       "--device", "cpu", "--gpus", "2"])

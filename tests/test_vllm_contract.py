@@ -25,13 +25,14 @@ from moetune.runtime.kernels.base import MoEWeights  # noqa: E402
 from moetune.runtime.problem import MoEProblem, QuantScheme, Shape  # noqa: E402
 from moetune.runtime.registry import default_registry  # noqa: E402
 from moetune.runtime.rules import rule_choice  # noqa: E402
-from moetune.runtime.vllm import classes, hook  # noqa: E402
-from moetune.runtime.vllm.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS,  # noqa: E402
+from moetune.runtime.vllm import classes  # noqa: E402
+from moetune.serving import hook  # noqa: E402
+from moetune.serving.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS,  # noqa: E402
                                        OP_INTS, OP_TENSORS, ApplyCall, from_op, op_args,
                                        wrap)
-from moetune.runtime.vllm.describe import describe  # noqa: E402
-from moetune.runtime.vllm.settings import Settings  # noqa: E402
-from moetune.runtime.vllm.state import PluginState  # noqa: E402
+from moetune.serving.describe import describe  # noqa: E402
+from moetune.serving.settings import Settings  # noqa: E402
+from moetune.serving.state import PluginState  # noqa: E402
 
 from tests.vllm_tables import write_winners  # noqa: E402
 

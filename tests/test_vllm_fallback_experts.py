@@ -40,11 +40,12 @@ from moetune.runtime.kernels.quant import quantize_weights  # noqa: E402
 from moetune.runtime.problem import QuantScheme, Shape  # noqa: E402
 from moetune.runtime.registry import default_registry  # noqa: E402
 from moetune.runtime.rules import rule_choice  # noqa: E402
-from moetune.runtime.vllm import classes, hook  # noqa: E402
-from moetune.runtime.vllm.call import APPLY_PARAMS, ApplyCall, wrap  # noqa: E402
-from moetune.runtime.vllm.quant import quantize_input  # noqa: E402
-from moetune.runtime.vllm.settings import Settings  # noqa: E402
-from moetune.runtime.vllm.state import PluginState  # noqa: E402
+from moetune.runtime.vllm import classes  # noqa: E402
+from moetune.serving import hook  # noqa: E402
+from moetune.serving.call import APPLY_PARAMS, ApplyCall, wrap  # noqa: E402
+from moetune.serving.quant import quantize_input  # noqa: E402
+from moetune.serving.settings import Settings  # noqa: E402
+from moetune.serving.state import PluginState  # noqa: E402
 
 from tests.vllm_tables import write_winners  # noqa: E402
 

@@ -28,7 +28,7 @@ from vllm.model_executor.layers.fused_moe.experts.cpu_moe import (  # noqa: E402
     CPUExpertsFp8, CPUExpertsMxfp4)
 from vllm.model_executor.layers.fused_moe.experts.triton_moe import TritonExperts  # noqa: E402
 
-from moetune.runtime.vllm.quant import weight_quant  # noqa: E402
+from moetune.serving.quant import weight_quant  # noqa: E402
 
 E, H, I = 8, 256, 256
 
@@ -114,7 +114,8 @@ def real_cpu_fp8(monkeypatch):
     """
     import importlib
 
-    from moetune.runtime.vllm import classes, prepack
+    from moetune.runtime.vllm import classes
+    from moetune.serving import prepack
 
     spec = next(s for s in classes.CPU_SPECS if s.name == "CPUExpertsFp8")
     cls = spec.load()
@@ -132,7 +133,7 @@ def load_layer(module, weights: MoEWeights) -> torch.nn.Module:
     """What vLLM's fp8 method does for its CPU backend: pack, then ``replace_parameter``."""
     from vllm.model_executor.utils import replace_parameter
 
-    from moetune.runtime.vllm import prepack
+    from moetune.serving import prepack
 
     layer = torch.nn.Module()
     layer.w13_weight = torch.nn.Parameter(weights.w13.clone(), requires_grad=False)
@@ -146,9 +147,9 @@ def load_layer(module, weights: MoEWeights) -> torch.nn.Module:
 def test_cpu_fp8_winners_run_on_the_plain_copy_kept_while_vllm_packed(real_cpu_fp8, tmp_path,
                                                                       cpu_sku):
     from moetune.runtime.problem import Shape
-    from moetune.runtime.vllm import hook
-    from moetune.runtime.vllm.settings import Settings
-    from moetune.runtime.vllm.state import PluginState
+    from moetune.serving import hook
+    from moetune.serving.settings import Settings
+    from moetune.serving.state import PluginState
 
     from tests.vllm_tables import write_winners
 

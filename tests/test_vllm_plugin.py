@@ -28,9 +28,10 @@ from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem, Shape
 from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
-from moetune.runtime.vllm import classes, hook, op, plugin, version
-from moetune.runtime.vllm.settings import Mode, Settings
-from moetune.runtime.vllm.state import PluginState
+from moetune.runtime.vllm import classes, versions
+from moetune.serving import hook, op, plugin
+from moetune.serving.settings import Mode, Settings
+from moetune.serving.state import PluginState
 
 from tests.vllm_tables import write_winners
 
@@ -346,7 +347,7 @@ def fresh_plugin(monkeypatch, fake_vllm):
         if name in ("_STATE", "_REGISTERED"):
             monkeypatch.setattr(plugin, name, None if name == "_STATE" else False)
     monkeypatch.setattr(classes, "platform_specs", lambda: (fake_vllm[1],))
-    monkeypatch.setattr(version, "installed", lambda: "0.32.0")
+    monkeypatch.setattr(versions, "installed", lambda: "0.32.0")
     for key in ("MOETUNE_MODE", "MOETUNE_TABLE", "MOETUNE_STATS", "MOETUNE_MISSES"):
         monkeypatch.delenv(key, raising=False)
     return fake_vllm[0]
@@ -437,7 +438,7 @@ def test_unknown_vllm_internals_disable_the_plugin_with_one_warning(fresh_plugin
                                                                    caplog, table):
     renamed = classes.ExpertsSpec("fake_vllm_experts", "Renamed", classes.Held.PLAIN)
     monkeypatch.setattr(classes, "platform_specs", lambda: (renamed,))
-    monkeypatch.setattr(version, "installed", lambda: "0.32.7")
+    monkeypatch.setattr(versions, "installed", lambda: "0.32.7")
     monkeypatch.setenv("MOETUNE_TABLE", str(table))
     plugin.register()
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
@@ -452,7 +453,7 @@ def test_unknown_vllm_internals_disable_the_plugin_with_one_warning(fresh_plugin
 @pytest.mark.parametrize("found", ["0.31.2", "0.33.0", "1.0.0rc1", "unknown"])
 def test_vllm_outside_the_supported_versions_disables_the_plugin(fresh_plugin, monkeypatch,
                                                                  caplog, table, found):
-    monkeypatch.setattr(version, "installed", lambda: found)
+    monkeypatch.setattr(versions, "installed", lambda: found)
     monkeypatch.setenv("MOETUNE_TABLE", str(table))
     plugin.register()
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
@@ -466,7 +467,7 @@ def test_vllm_outside_the_supported_versions_disables_the_plugin(fresh_plugin, m
 
 def test_supported_versions_include_local_and_dev_builds():
     for v in ("0.32.0", "0.32.0+cpu", "0.32.1.dev4+g1234"):
-        assert version.unsupported(v) is None, v
+        assert versions.unsupported(v) is None, v
 
 
 def test_calls_bound_by_position_run_as_by_keyword(fake_vllm, table):

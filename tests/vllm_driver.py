@@ -38,7 +38,7 @@ def main(model: str, out: str, in_process: bool, compile_model: bool, dtype: str
     outputs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS],
                            SamplingParams(temperature=0, max_tokens=8, logprobs=2), use_tqdm=False)
     done = time.perf_counter()
-    from moetune.runtime import vllm as moetune_vllm
+    from moetune import serving as moetune_vllm
 
     result = {
         "pid": os.getpid(),

@@ -1,4 +1,5 @@
-"""The ``moetune`` command line: thin commands over the library; errors become one line + exit 1."""
+"""The tuner's commands of the ``moetune`` command line (``moetune.cli`` adds the serving
+ones): thin commands over the library; errors become one line + exit 1."""
 
 from __future__ import annotations
 
@@ -18,11 +19,8 @@ from rich.progress import Progress
 
 from moetune import db
 from moetune.errors import MoetuneError, ShapeError, TuningError
-from moetune.runtime.dispatcher import Dispatcher, default_table
 from moetune.runtime.platform import SKU, detect_sku
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
-from moetune.runtime.registry import default_registry
-from moetune.tuner import adopt as adopt_table
 from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
 from moetune.tuner.bucket import BucketOutcome
@@ -45,7 +43,7 @@ F = TypeVar("F", bound=Callable[..., Any])
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per bucket is ours to print
 
 
-def _errors_to_exit(fn: F) -> F:
+def errors_to_exit(fn: F) -> F:
     """moetune's own errors are user errors: one red line on stderr and exit code 1."""
 
     @functools.wraps(fn)
@@ -91,7 +89,7 @@ DeviceOpt = Annotated[Device, typer.Option(help="Where to measure")]
 
 
 @app.command()
-@_errors_to_exit
+@errors_to_exit
 def tune(
     output: Annotated[str, typer.Option("--output", "-o", help="Table file to write, or a "
                                         "database URL (postgresql+psycopg://...) shared by jobs")],
@@ -144,15 +142,16 @@ def tune(
             preset, config, tp, ep, hidden, intermediate, experts, topk, dtype, quant,
             activation, router_weight_on_input))
         problems = [shape.problem(m) for m in parse_buckets(buckets, default_buckets)]
-    dev = _device_of(sku)
+    dev = device_of(sku)
     opts = JobOptions(device=dev, trials=trials, refine=refine, seed=seed, routing=routing, reps=reps,
                       optuna_storage=optuna_storage, isolate=isolate,
                       compile_workers=compile_workers, devices=_gpus(gpus, dev, sku),
                       skip_tuned=skip_tuned, reconfirm=reconfirm)
-    _run(problems, output, sku, opts)
+    run_job_with_progress(problems, output, sku, opts)
 
 
-def _run(problems: list[MoEProblem], output: str, sku: SKU, opts: JobOptions) -> None:
+def run_job_with_progress(problems: list[MoEProblem], output: str, sku: SKU,
+                          opts: JobOptions) -> None:
     """Run the job with a progress bar and a line per bucket, then print the table.
 
     Raises:
@@ -183,24 +182,7 @@ def _run(problems: list[MoEProblem], output: str, sku: SKU, opts: JobOptions) ->
         raise TuningError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
 
 
-@app.command()
-@_errors_to_exit
-def adopt(device: DeviceOpt = Device.auto,
-          reps: Annotated[int, typer.Option(min=2, help="Timed repetitions per "
-                                            "measurement")] = 20) -> None:
-    """Re-confirm the table shipped for this GPU under the torch/Triton/CUDA versions installed
-    here, into this machine's copy ($MOETUNE_HOME/tables), which serving, lookup and doctor then
-    use by default: each bucket's winner re-timed beside vLLM's pick, kept where it still wins.
-    Resumable; starts again from the shipped table after an upgrade changed it."""
-    sku = detect_sku(device.value)
-    path, problems = adopt_table.prepare(sku)
-    _run(problems, str(path), sku, JobOptions(device=_device_of(sku), reps=reps,
-                                             skip_tuned=True, reconfirm=True))
-    out.print(f"serving uses {path} on this device by default now (MOETUNE_TABLE overrides)",
-              highlight=False)
-
-
-def _device_of(sku: SKU) -> str:
+def device_of(sku: SKU) -> str:
     """The device a job on ``sku`` measures on."""
     return "cpu" if sku.vendor.value == "cpu" else "cuda"
 
@@ -241,7 +223,7 @@ def _gpus(count: int, device: str, sku: SKU) -> tuple[str, ...]:
 
 
 @app.command()
-@_errors_to_exit
+@errors_to_exit
 def show(table: Annotated[str, typer.Argument(help="Table file or database URL")],
          as_json: Annotated[bool, typer.Option("--json", help="One JSON object per "
                                                "winner row")] = False,
@@ -257,41 +239,8 @@ def show(table: Annotated[str, typer.Argument(help="Table file or database URL")
     out.print(report.winners_table(snapshot, sku))
 
 
-@app.command()
-@_errors_to_exit
-def lookup(
-    num_tokens: Annotated[int, typer.Option(min=1, help="Tokens in the MoE call")],
-    table: Annotated[Optional[str], typer.Option(
-        help="Table file or database URL to consult (default: this machine's adopted table for "
-        "this device, else the one shipped for it, if any)")] = None,
-    preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
-    hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
-    topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
-    router_weight_on_input: OnInput = None, device: DeviceOpt = Device.auto,
-) -> None:
-    """What the dispatcher would run for one call, and why."""
-    shape, _ = resolve(ShapeOptions(preset, config, tp, ep, hidden, intermediate, experts, topk,
-                                    dtype, quant, activation, router_weight_on_input))
-    problem = shape.problem(num_tokens)
-    sku = detect_sku(device.value)
-    dispatcher = Dispatcher.load(table or default_table(sku), sku)
-    selection = dispatcher.select(problem)
-    out.print(report.lookup_text(problem, dispatcher, selection), highlight=False)
-
-
-@app.command()
-@_errors_to_exit
-def doctor(device: DeviceOpt = Device.auto, preset: Annotated[str, typer.Option(
-        help="Shape whose kernel eligibility to show")] = "tiny") -> None:
-    """Platform, SKU, software versions, and which kernels are eligible here (and why not)."""
-    shape, _ = resolve(ShapeOptions(preset=preset))
-    sku = detect_sku(device.value)
-    out.print(report.doctor_text(sku, default_registry, shape.problem(1)), highlight=False,
-              soft_wrap=True)
-
-
 @app.command("export")
-@_errors_to_exit
+@errors_to_exit
 def export_(table: Annotated[str, typer.Argument(help="Table file or database URL")], output: Annotated[Path, typer.Option("--output", "-o", help=(
                 "sqlite/aiter: the file to write; vllm: the folder for the JSON files"))],
             format: Annotated[ExportFormat, typer.Option("--format")] = ExportFormat.sqlite,
@@ -316,7 +265,7 @@ def export_(table: Annotated[str, typer.Argument(help="Table file or database UR
 
 
 @app.command("import")
-@_errors_to_exit
+@errors_to_exit
 def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
             preset: Preset = None, hidden: Hidden = None, topk: TopK = None,
             dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
@@ -348,7 +297,7 @@ def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
 
 
 @app.command()
-@_errors_to_exit
+@errors_to_exit
 def merge(a: Annotated[str, typer.Argument(help="Table file or database URL")],
           b: Annotated[str, typer.Argument(help="Table file or database URL")],
           output: Annotated[Path, typer.Option("--output", "-o")],
@@ -362,7 +311,7 @@ def merge(a: Annotated[str, typer.Argument(help="Table file or database URL")],
 
 
 @app.command("report")
-@_errors_to_exit
+@errors_to_exit
 def report_(
     table: Annotated[str, typer.Argument(help="Table file or database URL")],
     output: Annotated[Path, typer.Option("--output", "-o", help="Folder for index.html and "

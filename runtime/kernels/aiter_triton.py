@@ -32,8 +32,7 @@ from moetune.runtime.kernels._interpreter import interpreter_reason
 from moetune.runtime.kernels._math import activate
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights
 from moetune.runtime.kernels.triton_config import (
-    QUANT_BLOCK, check_config, config_of, config_params, with_prefix)
-from moetune.runtime.vllm.configs import vllm_config
+    QUANT_BLOCK, check_config, config_of, config_params, vllm_config, with_prefix)
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 

@@ -17,10 +17,9 @@ from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
 from moetune.runtime.kernels._own_triton import OwnTritonKernel
 from moetune.runtime.kernels.triton_config import (
     QUANT_BLOCK, config_of, config_params, operand_bytes, shared_memory_bytes,
-    shared_memory_limit, tma_reason, with_prefix)
+    shared_memory_limit, tma_reason, vllm_config, with_prefix)
 from moetune.runtime.platform import SKU
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
-from moetune.runtime.vllm.configs import vllm_config
 
 #: Where GEMM2's rows meet: ``atomic`` adds them into a float32 buffer then casts it (one torch
 #: copy); ``atomic_out`` adds into the output itself (each add rounds to the output dtype);

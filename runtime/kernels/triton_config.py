@@ -1,13 +1,15 @@
-"""The Triton fused-MoE config space (vLLM's tuning grid) and its shared-memory constraint. Which
-config vLLM itself runs is a vLLM fact: ``runtime/vllm/configs.py``."""
+"""The Triton fused-MoE config space (vLLM's tuning grid), its shared-memory constraint, and
+which of vLLM's configs (``runtime/vllm/configs.py``, where vLLM's files are read) run here."""
 
 from __future__ import annotations
 
 import functools
 from typing import Any
 
-from moetune.runtime.kernels.base import Param
+from moetune.runtime.kernels.base import Param, invalid_params
+from moetune.runtime.platform import SKU
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+from moetune.runtime.vllm.configs import tuned_entries, vllm_default_config
 
 #: vLLM's ``get_configs_compute_bound`` grid for CUDA (1920 points); configs export to its JSON.
 SPACE: dict[str, tuple[int, ...]] = {
@@ -151,3 +153,37 @@ def check_config(problem: MoEProblem, config: dict[str, int]) -> str | None:
     if problem.quant is QuantScheme.FP8_BLOCK_128X128 and QUANT_BLOCK[1] % config["BLOCK_SIZE_K"]:
         return f"BLOCK_SIZE_K={config['BLOCK_SIZE_K']} spans two {QUANT_BLOCK[1]}-wide scale blocks"
     return None
+
+
+def vllm_config(problem: MoEProblem, sku: SKU) -> tuple[dict[str, int], str]:
+    """The config vLLM runs for ``problem`` on ``sku`` (``try_get_optimal_moe_config``: its
+    tuned file's nearest entry, else ``get_default_config``), and where it came from."""
+    return vllm_config_variants(problem, sku)[0]
+
+
+def vllm_config_variants(problem: MoEProblem, sku: SKU) -> list[tuple[dict[str, int], str]]:
+    """Every config vLLM may run for ``problem`` on ``sku``, depending on what the user has:
+    the tuned entry of each folder vLLM looks in (``VLLM_TUNED_CONFIG_FOLDER``, its shipped
+    ``configs``), then its default config. The first is what vLLM runs here; duplicates are
+    dropped, so a table tuned with one setup can be trusted under the others. An entry outside
+    ``config_params`` cannot run here: the default stands in for it where it comes first."""
+    variants: list[tuple[dict[str, int], str]] = []
+    for config, path, m in tuned_entries(problem, sku):
+        if config.get("num_ctas") == 1:  # Triton's default, which the aiter launch uses anyway
+            del config["num_ctas"]
+        why = invalid_params(config_params(), config)
+        if why:
+            if not variants:
+                variants.append((vllm_default_config(problem), (
+                    f"its default config; the entry M={m} of its tuned file {path.name} cannot "
+                    f"run here ({why})")))
+            continue
+        variants.append((config, f"its tuned config {path.name}, entry M={m}"))
+    default = vllm_default_config(problem)
+    variants.append((default, "its default config (vLLM has no tuned file for this shape and "
+                              "GPU)" if not variants else "its default config"))
+    unique: list[tuple[dict[str, int], str]] = []
+    for config, source in variants:
+        if all(config != c for c, _ in unique):
+            unique.append((config, source))
+    return unique

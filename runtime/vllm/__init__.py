@@ -1,20 +1,6 @@
-"""Every vLLM fact moetune relies on, behind one adapter: the plugin, its hook, its state, and
-the configs vLLM's Triton kernel runs (``configs``, which the CUDA rule reads without vLLM).
+"""What moetune reads from vLLM, below the rules and kernels: the versions it supports and
+what differs between them (``versions``), the experts classes it hooks (``classes``), vLLM's
+tuned Triton configs and default heuristic (``configs``) and its CPU MoE pieces (``cpu``).
 
-The plugin's functions load on first use, so the rule can read ``configs`` without importing the
-plugin (and the plugin's import of the rule cannot cycle back here).
+With ``moetune.serving`` (the plugin on top), the only modules that import vLLM.
 """
-
-from __future__ import annotations
-
-from typing import Any
-
-__all__ = ["counters", "register", "stats"]
-
-
-def __getattr__(name: str) -> Any:
-    if name in __all__:
-        from moetune.runtime.vllm import plugin
-
-        return getattr(plugin, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

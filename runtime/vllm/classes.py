@@ -27,8 +27,6 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
-from moetune.runtime.kernels.base import WeightLayout
-
 _EXPERTS = "vllm.model_executor.layers.fused_moe.experts."
 
 
@@ -82,12 +80,13 @@ class ExpertsSpec:
     deep_gemm: bool = False
 
     @property
-    def layout(self) -> WeightLayout | None:
-        """The layout moetune kernels see in this class's layers, or None if they see none."""
+    def kernels_see(self) -> Held | None:
+        """The weights moetune kernels see in this class's layers (``PLAIN`` where a plain copy
+        is kept), or None if they see none."""
         if self.held is Held.AITER_SHUFFLED:
-            return WeightLayout.AITER_SHUFFLED
+            return Held.AITER_SHUFFLED
         if self.held is Held.PLAIN or self.copy_at_load or self.copy_at_pack:
-            return WeightLayout.PLAIN
+            return Held.PLAIN
         return None
 
     def holds(self) -> tuple[Held, str]:

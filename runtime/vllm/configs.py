@@ -20,8 +20,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from moetune.runtime.kernels.base import invalid_params
-from moetune.runtime.kernels.triton_config import QUANT_BLOCK, config_params
 from moetune.runtime.platform import SKU, normalize_device_name
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
@@ -137,7 +135,7 @@ def vllm_default_config(problem: MoEProblem) -> dict[str, int]:
     against. Per-channel fp8 is ``fp8_w8a8`` without a block shape: the general branch."""
     m, e = problem.num_tokens, problem.num_experts
     if problem.quant is QuantScheme.FP8_BLOCK_128X128:
-        block_n, block_k = QUANT_BLOCK
+        block_n, block_k = 128, 128  # the block shape vLLM reads fp8 block files for
         if m <= 8 and block_n % 64 == 0:
             block_n, num_stages = 64, 4 if m <= 4 else 3
         else:
@@ -168,38 +166,13 @@ def vllm_default_config(problem: MoEProblem) -> dict[str, int]:
     }
 
 
-def vllm_config(problem: MoEProblem, sku: SKU) -> tuple[dict[str, int], str]:
-    """The config vLLM runs for ``problem`` on ``sku`` (``try_get_optimal_moe_config``: its
-    tuned file's nearest entry, else ``get_default_config``), and where it came from."""
-    return vllm_config_variants(problem, sku)[0]
-
-
-def vllm_config_variants(problem: MoEProblem, sku: SKU) -> list[tuple[dict[str, int], str]]:
-    """Every config vLLM may run for ``problem`` on ``sku``, depending on what the user has:
-    the tuned entry of each folder vLLM looks in (``VLLM_TUNED_CONFIG_FOLDER``, its shipped
-    ``configs``), then its default config. The first is what vLLM runs here; duplicates are
-    dropped, so a table tuned with one setup can be trusted under the others."""
-    variants: list[tuple[dict[str, int], str]] = []
+def tuned_entries(problem: MoEProblem, sku: SKU) -> list[tuple[dict[str, Any], Path, int]]:
+    """The tuned entry vLLM may run for ``problem`` on ``sku`` from each folder it looks in
+    (``VLLM_TUNED_CONFIG_FOLDER``, then its shipped ``configs``), in that order: (config, file,
+    entry M). Empty where vLLM would use its default heuristic everywhere."""
+    found = []
     for folder in config_folders():
         tuned = tuned_config(problem, sku, (folder,))
-        if tuned is None:
-            continue
-        config, path, m = tuned
-        if config.get("num_ctas") == 1:  # Triton's default, which the aiter launch uses anyway
-            del config["num_ctas"]
-        why = invalid_params(config_params(), config)
-        if why:
-            if not variants:
-                variants.append((vllm_default_config(problem), (
-                    f"its default config; the entry M={m} of its tuned file {path.name} cannot "
-                    f"run here ({why})")))
-            continue
-        variants.append((config, f"its tuned config {path.name}, entry M={m}"))
-    default = vllm_default_config(problem)
-    variants.append((default, "its default config (vLLM has no tuned file for this shape and "
-                              "GPU)" if not variants else "its default config"))
-    unique: list[tuple[dict[str, int], str]] = []
-    for config, source in variants:
-        if all(config != c for c, _ in unique):
-            unique.append((config, source))
-    return unique
+        if tuned is not None:
+            found.append(tuned)
+    return found

@@ -46,9 +46,10 @@ def register() -> None:
         return
     _REGISTERED = True
     _ensure_log_handler()
-    from moetune.runtime.vllm import classes, hook, version
-    from moetune.runtime.vllm.settings import Mode, Settings
-    from moetune.runtime.vllm.state import PluginState
+    from moetune.runtime.vllm import classes, versions
+    from moetune.serving import hook
+    from moetune.serving.settings import Mode, Settings
+    from moetune.serving.state import PluginState
 
     try:
         settings = Settings.from_env()
@@ -60,8 +61,8 @@ def register() -> None:
         return
     state = PluginState(settings)
     state.check_strict()
-    vllm = version.installed()
-    outside = version.unsupported(vllm)
+    vllm = versions.installed()
+    outside = versions.unsupported(vllm)
     if outside:
         _disable(settings.mode is Mode.STRICT, outside, None)
         return

@@ -23,9 +23,8 @@ from typing import Any, NamedTuple
 import torch
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
-from moetune.runtime.vllm.call import A1Q_SCALE, HIDDEN_STATES, ApplyCall, from_op
-from moetune.runtime.vllm.plan import Choice, ShapePlan
-from moetune.runtime.vllm.settings import Outcome
+from moetune.runtime.plan import Choice, Outcome, ShapePlan
+from moetune.serving.call import A1Q_SCALE, HIDDEN_STATES, ApplyCall, from_op
 
 logger = logging.getLogger("moetune")
 

@@ -40,16 +40,16 @@ import torch
 
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.problem import QuantScheme
-from moetune.runtime.vllm import op, prepack
-from moetune.runtime.vllm.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS, W1, W2,
+from moetune.serving import op, prepack
+from moetune.serving.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS, W1, W2,
                                        ApplyCall, op_args, wrap)
 from moetune.runtime.vllm.classes import (DEFER_PROPERTY, TRITON, ExpertsSpec, Held,
                                           check_fallback, check_method, check_property, own)
-from moetune.runtime.vllm.describe import describe, layer_weights
-from moetune.runtime.vllm.layer import Layer
-from moetune.runtime.vllm.quant import quantize_input
-from moetune.runtime.vllm.settings import Mode
-from moetune.runtime.vllm.state import PluginState, shape_label
+from moetune.serving.describe import describe, layer_weights
+from moetune.serving.layer import Layer
+from moetune.serving.quant import quantize_input
+from moetune.serving.settings import Mode
+from moetune.serving.state import PluginState, shape_label
 
 logger = logging.getLogger("moetune")
 
@@ -58,6 +58,8 @@ _PROBE = "__moetune_capturing__"
 _ATTR = "_moetune_layer"
 _DEFER = "_moetune_defers_input_quant"  # True: the layer's activations reach apply unquantized
 _OWNED = "_moetune_owned"  # True: the Triton fallback of a hooked TritonOrDeepGemmExperts layer
+#: The layout a moetune kernel runs on, for the weights it sees in a class's layers.
+_LAYOUTS = {Held.PLAIN: WeightLayout.PLAIN, Held.AITER_SHUFFLED: WeightLayout.AITER_SHUFFLED}
 
 
 def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
@@ -163,9 +165,10 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
         shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
     # A class whose weights no moetune kernel can read still gets its plan's hits and misses.
-    plan = None if shape is None else state.plan(shape, spec.layout or WeightLayout.PLAIN)
+    layout = _LAYOUTS.get(spec.kernels_see)
+    plan = None if shape is None else state.plan(shape, layout or WeightLayout.PLAIN)
     weights, copied = None, False
-    if plan is not None and plan.runs_moetune and spec.layout is not None:
+    if plan is not None and plan.runs_moetune and layout is not None:
         if spec.copy_at_load and at_load:  # before vLLM repacks them
             w13, w2, copied = w13.detach().clone(), w2.detach().clone(), True
         elif spec.copy_at_pack:  # kept while vLLM packed them

@@ -18,9 +18,10 @@ from typing import Any
 from moetune.errors import TableError
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.problem import MoEProblem, Shape
-from moetune.runtime.vllm.misses import MissLog
-from moetune.runtime.vllm.plan import ShapePlan
-from moetune.runtime.vllm.settings import Mode, Outcome, Settings
+from moetune.serving.misses import MissLog
+from moetune.runtime.plan import ShapePlan
+from moetune.runtime.plan import Outcome
+from moetune.serving.settings import Mode, Settings
 
 logger = logging.getLogger("moetune")
 

@@ -12,13 +12,25 @@ layout share one plan (``PluginState.plan``).
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any
 
 from moetune.runtime.kernels.base import WeightLayout, params_key
 from moetune.runtime.problem import Shape, bucket_of, nearest
 from moetune.runtime.registry import Registry
-from moetune.runtime.vllm.settings import Outcome
+
+
+class Outcome(str, enum.Enum):
+    """What one MoE call ran. Counted per layer shape."""
+
+    HIT = "hit"  # the table's winner ran (vLLM's own kernel, when that is the winner)
+    MISS = "miss"  # no table row for this shape (or no usable table): vLLM's own kernel ran
+    FALLBACK = "fallback"  # the table had a winner that cannot run here: vLLM's kernel ran
+    #: vLLM's own per-call pick (``TritonOrDeepGemmExperts``) ran its other kernel, DeepGEMM,
+    #: which the table does not time: no table gap to record (not a miss) and no winner that
+    #: failed to run (not a fallback). Counted only in the layers that pick.
+    DELEGATED = "delegated"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -14,7 +14,7 @@ import torch
 
 from moetune.runtime.kernels.base import MoEWeights
 from moetune.runtime.problem import Activation, DType, Shape
-from moetune.runtime.vllm.quant import unsupported, weight_quant
+from moetune.serving.quant import unsupported, weight_quant
 
 _DTYPES = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
            torch.bfloat16: DType.BFLOAT16}

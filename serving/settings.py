@@ -1,4 +1,4 @@
-"""The plugin's settings, read once per process from the environment, and what a call counts as."""
+"""The plugin's settings, read once per process from the environment."""
 
 from __future__ import annotations
 
@@ -18,18 +18,6 @@ class Mode(str, enum.Enum):
     LOOKUP = "lookup"  # run table winners; anything wrong with the table -> vLLM's own pick
     STRICT = "strict"  # like lookup, but refuse to start without a usable table for this SKU
     RECORD = "record"  # like lookup, and append every bucket without its own winner to a file
-
-
-class Outcome(str, enum.Enum):
-    """What one MoE call ran. Counted per layer shape."""
-
-    HIT = "hit"  # the table's winner ran (vLLM's own kernel, when that is the winner)
-    MISS = "miss"  # no table row for this shape (or no usable table): vLLM's own kernel ran
-    FALLBACK = "fallback"  # the table had a winner that cannot run here: vLLM's kernel ran
-    #: vLLM's own per-call pick (``TritonOrDeepGemmExperts``) ran its other kernel, DeepGEMM,
-    #: which the table does not time: no table gap to record (not a miss) and no winner that
-    #: failed to run (not a fallback). Counted only in the layers that pick.
-    DELEGATED = "delegated"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -1,0 +1,72 @@
+"""The ``moetune`` command line: the tuner's commands (``tuner/cli.py``) plus the serving ones,
+``lookup``, ``doctor`` and ``adopt``, which answer for (and prepare) what the plugin serves."""
+
+from __future__ import annotations
+
+from typing import Annotated, Optional
+
+import typer
+
+from moetune.runtime.dispatcher import Dispatcher, default_table
+from moetune.runtime.platform import detect_sku
+from moetune.runtime.registry import default_registry
+from moetune.tuner import adopt as adopt_table
+from moetune.tuner import report
+from moetune.tuner.cli import (EP, TP, Act, Config, Device, DeviceOpt, DTypeOpt, Experts,
+                               Hidden, Inter, OnInput, Preset, Quant, TopK, app, device_of,
+                               errors_to_exit, out, run_job_with_progress)
+from moetune.tuner.job import JobOptions
+from moetune.tuner.shapes import ShapeOptions, resolve
+
+__all__ = ["app"]
+
+@app.command()
+@errors_to_exit
+def adopt(device: DeviceOpt = Device.auto,
+          reps: Annotated[int, typer.Option(min=2, help="Timed repetitions per "
+                                            "measurement")] = 20) -> None:
+    """Re-confirm the table shipped for this GPU under the torch/Triton/CUDA versions installed
+    here, into this machine's copy ($MOETUNE_HOME/tables), which serving, lookup and doctor then
+    use by default: each bucket's winner re-timed beside vLLM's pick, kept where it still wins.
+    Resumable; starts again from the shipped table after an upgrade changed it."""
+    sku = detect_sku(device.value)
+    path, problems = adopt_table.prepare(sku)
+    run_job_with_progress(problems, str(path), sku, JobOptions(
+        device=device_of(sku), reps=reps, skip_tuned=True, reconfirm=True))
+    out.print(f"serving uses {path} on this device by default now (MOETUNE_TABLE overrides)",
+              highlight=False)
+
+
+
+
+@app.command()
+@errors_to_exit
+def lookup(
+    num_tokens: Annotated[int, typer.Option(min=1, help="Tokens in the MoE call")],
+    table: Annotated[Optional[str], typer.Option(
+        help="Table file or database URL to consult (default: this machine's adopted table for "
+        "this device, else the one shipped for it, if any)")] = None,
+    preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
+    hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
+    topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
+    router_weight_on_input: OnInput = None, device: DeviceOpt = Device.auto,
+) -> None:
+    """What the dispatcher would run for one call, and why."""
+    shape, _ = resolve(ShapeOptions(preset, config, tp, ep, hidden, intermediate, experts, topk,
+                                    dtype, quant, activation, router_weight_on_input))
+    problem = shape.problem(num_tokens)
+    sku = detect_sku(device.value)
+    dispatcher = Dispatcher.load(table or default_table(sku), sku)
+    selection = dispatcher.select(problem)
+    out.print(report.lookup_text(problem, dispatcher, selection), highlight=False)
+
+
+@app.command()
+@errors_to_exit
+def doctor(device: DeviceOpt = Device.auto, preset: Annotated[str, typer.Option(
+        help="Shape whose kernel eligibility to show")] = "tiny") -> None:
+    """Platform, SKU, software versions, and which kernels are eligible here (and why not)."""
+    shape, _ = resolve(ShapeOptions(preset=preset))
+    sku = detect_sku(device.value)
+    out.print(report.doctor_text(sku, default_registry, shape.problem(1)), highlight=False,
+              soft_wrap=True)
