@@ -8,12 +8,14 @@ renamed raises, and the hook leaves the layer to vLLM saying so.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
 
 from moetune.runtime.kernels.base import MoEWeights
 from moetune.runtime.problem import Activation, DType, Shape
+from moetune.runtime.vllm.versions import VllmFacts
 from moetune.serving.quant import unsupported, weight_quant
 
 _DTYPES = {torch.float32: DType.FLOAT32, torch.float16: DType.FLOAT16,
@@ -69,3 +71,26 @@ def layer_weights(experts: Any, shape: Shape, w13: torch.Tensor, w2: torch.Tenso
     ``w2`` with, for fp8, vLLM's own scales in moetune's layout (views, not copies)."""
     _, scales, _ = weight_quant(experts, w13, w2, defers)
     return MoEWeights(w13, w2, shape.quant, *(scales or (None, None)))
+
+
+def differs(experts: Any, cls: type, w13: torch.Tensor, w2: torch.Tensor,
+            facts: VllmFacts) -> str:
+    """Why vLLM's ``apply`` of this object computes something moetune's kernels do not, in the
+    version of ``facts`` ("" if it computes what they do): a subclass or the object itself
+    setting a finalize hook otherwise than ``cls`` (the hooked class) does, or weights vLLM reads
+    from host memory in place (UVA offload), on which no moetune kernel was timed."""
+    for name in facts.finalize_hooks:
+        if inspect.getattr_static(experts, name, None) is not inspect.getattr_static(
+                cls, name, None):
+            return f"vLLM {facts.label} {name} differs from {cls.__name__}'s on this layer"
+    if any(getattr(w, "_vllm_is_uva_offloaded", False) for w in (w13, w2)):
+        return "weights are offloaded to host memory (UVA): no moetune kernel was timed there"
+    return ""
+
+
+def padded(experts: Any, facts: VllmFacts) -> bool:
+    """Whether this layer's calls may carry padding rows (``topk_ids`` all -1, garbage
+    activations) in the version of ``facts``: its all2all hands over ``PaddedStandard``."""
+    if not facts.padded_rows:
+        return False
+    return str(experts.moe_config.activation_format.value[0]) == "padded_standard"

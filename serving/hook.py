@@ -45,7 +45,7 @@ from moetune.serving.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS, W1, 
                                        ApplyCall, op_args, wrap)
 from moetune.runtime.vllm.classes import (DEFER_PROPERTY, TRITON, ExpertsSpec, Held,
                                           check_fallback, check_method, check_property, own)
-from moetune.serving.describe import describe, layer_weights
+from moetune.serving.describe import describe, differs, layer_weights, padded
 from moetune.serving.layer import Layer
 from moetune.serving.quant import quantize_input
 from moetune.serving.settings import Mode
@@ -73,7 +73,7 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
     for spec in specs:
         cls = spec.load()
         picks = spec.serves is not None  # FallbackExperts: apply and the property are inherited
-        check_method(cls, "apply", APPLY_PARAMS, _MARK, inherited=picks)
+        check_method(cls, "apply", APPLY_PARAMS, _MARK, inherited=spec.apply_inherited)
         if picks:
             check_fallback(cls, TRITON.load())
         if spec.copy_at_load:
@@ -87,7 +87,7 @@ def install(state: PluginState, specs: tuple[ExpertsSpec, ...]) -> list[str]:
     op.ensure_registered()
     if any(spec.copy_at_pack for _, spec in found):
         prepack.install(_plain_fp8_wanted(state))
-    for cls, spec in found:  # a FallbackExperts class gets wrappers of its own, not its bases
+    for cls, spec in found:  # a class that inherits apply gets a wrapper of its own, not its base
         if not getattr(cls.__dict__.get("apply"), _MARK, None):
             cls.apply = _wrap_apply(cls, spec, state, capturing)
         load = cls.__dict__.get("process_weights_after_loading")
@@ -160,10 +160,12 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     if spec.serves is not None and served is None:
         not_ours = f"vLLM internals differ (no {spec.serves})"
     try:
+        not_ours = not_ours or differs(experts, cls, w13, w2, state.vllm)
         shape, why = (None, not_ours) if not_ours else describe(
             experts, w13, w2, on_input, spec.defers_input_quant)
+        pads = shape is not None and padded(experts, state.vllm)
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
-        shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
+        shape, why, pads = None, f"vLLM internals differ ({type(e).__name__}: {e})", False
     # A class whose weights no moetune kernel can read still gets its plan's hits and misses.
     layout = _LAYOUTS.get(spec.kernels_see)
     plan = None if shape is None else state.plan(shape, layout or WeightLayout.PLAIN)
@@ -185,6 +187,7 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     # Traced, a layer that never runs a moetune kernel is vLLM's own apply, uncounted (record
     # mode keeps the op: it must see every num_tokens to record the missed ones).
     layer.traced_op = bool(layer.fns) or state.settings.mode is Mode.RECORD
+    layer.padded = pads
     layer.activation = experts.moe_config.activation if shape is not None else None
     layer.op_id = op.bind(layer)
     defers = (spec.defers_input_quant and weights is not None and experts.quant_config.quant_dtype
@@ -287,7 +290,7 @@ def _wrap_load(cls: type, spec: ExpertsSpec, state: PluginState) -> Callable[...
 
 def _wrap_apply(cls: type, spec: ExpertsSpec, state: PluginState,
                 capturing: Callable[[], bool]) -> Callable[..., Any]:
-    original = own(cls, "apply", inherited=spec.serves is not None)
+    original = own(cls, "apply", inherited=spec.apply_inherited)
     compiling = torch.compiler.is_compiling
 
     def body(self: Any, args: tuple[Any, ...]) -> Any:

@@ -76,6 +76,8 @@ class Layer:
         self.activation: Any = None  # vLLM's activation enum, passed on for traced calls
         self.quantized: Callable[[tuple[Any, ...]], Any] | None = None
         self.delegate: Callable[[tuple[Any, ...]], bool] | None = None
+        #: Calls may carry padding rows (vLLM 0.34's ``PaddedStandard``): ``unpadded``.
+        self.padded = False
         if plan is not None and weights is not None:
             self._prepare(plan, weights)
 
@@ -142,11 +144,13 @@ class Layer:
         if call.a1q_scale is not None or call.hidden_states.dtype not in _UNQUANTIZED:
             return False  # quantized by vLLM (``run`` catches this first where it asked not to)
         # vLLM's prepare step already scaled the input when the weight is on the input.
-        weights = call.topk_weights
+        hidden, weights, ids = call.hidden_states, call.topk_weights, call.topk_ids
         if call.apply_router_weight_on_input:
             weights = torch.ones_like(weights)
+        if self.padded:
+            hidden, weights, ids = unpadded(hidden, weights, ids)
         try:
-            step.fn(call.hidden_states, weights, call.topk_ids, out=call.output)
+            step.fn(hidden, weights, ids, out=call.output)
         except Exception as e:  # noqa: BLE001 - serving goes on with vLLM's kernel
             self.failed(step, e)
             return False
@@ -170,3 +174,14 @@ class Layer:
     def _warn(self, key: tuple[str, str], what: str, error: Exception) -> None:
         logger.warning("moetune: kernel %s %s %s on %s (%s: %s); vLLM's own kernel runs instead",
                        key[0], key[1], what, self.label, type(error).__name__, error)
+
+
+def unpadded(hidden: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A call with padding rows as moetune's kernels can run it, giving what vLLM's
+    ``TritonExperts`` gives (zeros in those rows, the routed rows untouched): every slot
+    without a route (``topk_ids`` -1) goes to expert 0 with weight 0, and the activations of
+    rows without any route (garbage, possibly not finite) become zeros."""
+    routed = ids >= 0
+    hidden = hidden.masked_fill(~routed.any(dim=1, keepdim=True), 0)
+    return hidden, weights.masked_fill(~routed, 0), ids.clamp(min=0)

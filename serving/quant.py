@@ -83,17 +83,12 @@ def unsupported(experts: Any, defers: bool = False) -> str:
 def quantize_input(quant_config: Any, hidden_states: torch.Tensor
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The activations and their scales as vLLM's prepare step quantizes them for a layer of
-    ``quant_config`` (``prepare_finalize/no_dp_ep.py`` ``_quantize_input``: vLLM's own
-    ``moe_kernel_quantize_input`` with the config's scheme, the arguments it passes), for vLLM's
-    kernels in a layer whose prepare step the hook made hand them over unquantized."""
-    from vllm.model_executor.layers.fused_moe.utils import moe_kernel_quantize_input
+    ``quant_config``: its own ``_quantize_input`` (``prepare_finalize/no_dp_ep.py``; 0.33 added
+    ``is_scale_transposed`` to what it passes), for vLLM's kernels in a layer whose prepare
+    step the hook made hand them over unquantized."""
+    from vllm.model_executor.layers.fused_moe.prepare_finalize.no_dp_ep import _quantize_input
 
-    qc = quant_config
-    return moe_kernel_quantize_input(
-        hidden_states, qc.a1_gscale if qc.use_nvfp4_w4a4 else qc.a1_scale,
-        quant_dtype=qc.quant_dtype, per_act_token_quant=qc.per_act_token_quant,
-        block_shape=qc.block_shape, is_scale_swizzled=qc.is_scale_swizzled,
-        mx_alignment=qc.mx_alignment)
+    return _quantize_input(hidden_states, quant_config)
 
 
 def _scale_shape(scheme: QuantScheme, weight: torch.Size) -> tuple[int, ...]:

@@ -21,6 +21,7 @@ from moetune.runtime.problem import MoEProblem, Shape
 from moetune.serving.misses import MissLog
 from moetune.runtime.plan import ShapePlan
 from moetune.runtime.plan import Outcome
+from moetune.runtime.vllm.versions import VllmFacts, installed_facts
 from moetune.serving.settings import Mode, Settings
 
 logger = logging.getLogger("moetune")
@@ -38,8 +39,10 @@ class PluginState:
     plan cache are guarded by a lock (both happen once per process or layer, never per call).
     """
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, vllm: VllmFacts | None = None) -> None:
         self.settings = settings
+        #: The facts of the vLLM serving here (what its experts' ``apply`` computes).
+        self.vllm = vllm or installed_facts()
         self.counts: dict[str, dict[str, int]] = {}
         self.layers = 0
         self.plain_copy_bytes = 0

@@ -7,6 +7,7 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem
@@ -38,3 +39,20 @@ def tiny_table(tmp_path_factory, cpu_sku) -> Path:
                        JobOptions(device="cpu", trials=8, reps=5))
     assert all(o.error is None for o in outcomes), [o.error for o in outcomes]
     return path
+
+
+@pytest.fixture(scope="session")
+def vllm_workspace():
+    """vLLM's workspace manager on the CPU, as its model runner sets it up before any MoE call:
+    the modular kernel of vLLM 0.33 and later takes its buffers from it. Growing a buffer
+    empties the accelerator's cache first, which a machine without one cannot do (nothing to
+    empty): that call does nothing here."""
+    from vllm.v1.worker import workspace
+
+    patch = pytest.MonkeyPatch()
+    if not torch.accelerator.is_available():
+        patch.setattr(torch.accelerator, "empty_cache", lambda: None)
+    if not workspace.is_workspace_manager_initialized():
+        workspace.init_workspace_manager(torch.device("cpu"))
+    yield
+    patch.undo()

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh --vllm)")
+pytestmark = pytest.mark.usefixtures("vllm_workspace")
 
 from vllm.model_executor.layers.fused_moe import config as vllm_config  # noqa: E402
 from vllm.model_executor.layers.fused_moe import modular_kernel  # noqa: E402
@@ -25,7 +26,8 @@ from moetune.runtime.kernels.base import MoEWeights  # noqa: E402
 from moetune.runtime.problem import MoEProblem, QuantScheme, Shape  # noqa: E402
 from moetune.runtime.registry import default_registry  # noqa: E402
 from moetune.runtime.rules import rule_choice  # noqa: E402
-from moetune.runtime.vllm import classes  # noqa: E402
+from moetune.runtime.vllm import classes, versions  # noqa: E402
+from moetune.runtime.vllm.cpu import vllm_cpu  # noqa: E402
 from moetune.serving import hook  # noqa: E402
 from moetune.serving.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS,  # noqa: E402
                                        OP_INTS, OP_TENSORS, ApplyCall, from_op, op_args,
@@ -37,13 +39,16 @@ from moetune.serving.state import PluginState  # noqa: E402
 from tests.vllm_tables import write_winners  # noqa: E402
 
 H, I, E, TOPK = 128, 64, 4, 2
-SPECS = {spec.name: spec for spec in classes.ALL_SPECS}
+SPECS = {spec.name: spec for spec in classes.all_specs(versions.installed_facts())}
 #: The classes that also serve unquantized layers: ``TritonOrDeepGemmExperts`` is block-fp8 only
 #: (its ``DeepGemmExperts`` asserts such a config), so ``tests/test_vllm_fallback_experts.py``
 #: checks it on fp8 instances instead.
 UNQUANTIZED = [name for name, spec in SPECS.items() if not spec.deep_gemm]
-#: The classes vLLM's fp8 oracle (``oracle/fp8.py``) may pick among those the plugin wraps.
-FP8 = ("TritonExperts", "AiterExperts", "CPUExpertsFp8", "CPUExpertsFp8W8A8")
+#: The classes vLLM's fp8 oracle (``oracle/fp8.py``) may pick for block-fp8 layers among those
+#: the plugin wraps.
+FP8 = ("TritonExperts", "CPUExpertsFp8", "CPUExpertsFp8W8A8") + tuple(
+    n for n in versions.installed_facts().aiter_experts
+    if n in ("AiterExperts", "AiterFp8BlockExperts"))
 
 
 def moe_config(dtype: torch.dtype = torch.float32, inter: int = I) -> vllm_config.FusedMoEConfig:
@@ -63,7 +68,8 @@ def weights(dtype: torch.dtype = torch.float32,
 
 
 def test_every_platform_lists_only_wrapped_classes():
-    every = classes.CPU_SPECS + classes.CUDA_SPECS + classes.ROCM_SPECS
+    every = (classes.CPU_SPECS + classes.CUDA_SPECS
+             + classes.rocm_specs(versions.installed_facts()))
     assert {s.name for s in every} == set(SPECS)
     assert set(FP8) <= set(SPECS)
 
@@ -73,7 +79,7 @@ def test_class_defines_the_methods_the_hook_wraps(name):
     spec = SPECS[name]
     cls = spec.load()
     picks = spec.serves is not None  # a FallbackExperts: its apply is its base class's
-    classes.check_method(cls, "apply", APPLY_PARAMS, hook._MARK, inherited=picks)
+    classes.check_method(cls, "apply", APPLY_PARAMS, hook._MARK, inherited=spec.apply_inherited)
     if picks:
         classes.check_fallback(cls, SPECS["TritonExperts"].load())
     if spec.copy_at_load:
@@ -158,6 +164,8 @@ def test_aiter_backend_holds_shuffled_weights():
 @pytest.fixture
 def real_cpu_experts(monkeypatch):
     """vLLM's CPUUnquantizedExperts, hooked here and unhooked after the test."""
+    if vllm_cpu()[0] is None:
+        pytest.skip(f"vLLM's CPU kernels cannot run here: {vllm_cpu()[1]}")
     spec = SPECS["CPUUnquantizedExperts"]
     cls = spec.load()
     for method in ("apply", "process_weights_after_loading"):

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh --vllm)")
+pytestmark = pytest.mark.usefixtures("vllm_workspace")
 
 from vllm.model_executor.layers.fused_moe import config as vllm_config  # noqa: E402
 from vllm.model_executor.layers.fused_moe import modular_kernel  # noqa: E402
@@ -83,12 +84,14 @@ def shape_of(inter: int) -> Shape:
     return Shape(H, inter, E, TOPK, "bfloat16", "fp8_block_128x128", "silu", True, False)
 
 
-def group_quant_native(x: torch.Tensor, group_size: int, **kwargs) -> tuple[torch.Tensor,
-                                                                           torch.Tensor]:
-    """vLLM's ``per_token_group_quant_fp8`` as its prepare step calls it (row-major float32
-    scales, no E8M0 without DeepGEMM), computed by vLLM's own torch implementation."""
+def group_quant_native(x: torch.Tensor, group_size: int, column_major_scales: bool = False,
+                       **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``per_token_group_quant_fp8`` as its prepare step calls it (float32 scales,
+    row-major unless vLLM 0.33's ``is_scale_transposed`` asks otherwise, no E8M0 without
+    DeepGEMM), computed by vLLM's own torch implementation."""
     assert not kwargs, kwargs
-    quant = SimpleNamespace(group_size=group_size, use_ue8m0=False, column_major_scales=False)
+    quant = SimpleNamespace(group_size=group_size, use_ue8m0=False,
+                            column_major_scales=column_major_scales)
     return QuantFP8._quantize_group_native(quant, x)
 
 

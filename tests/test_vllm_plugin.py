@@ -450,14 +450,14 @@ def test_unknown_vllm_internals_disable_the_plugin_with_one_warning(fresh_plugin
         plugin.register()
 
 
-@pytest.mark.parametrize("found", ["0.31.2", "0.33.0", "1.0.0rc1", "unknown"])
+@pytest.mark.parametrize("found", ["0.31.2", "0.35.0", "1.0.0rc1", "unknown"])
 def test_vllm_outside_the_supported_versions_disables_the_plugin(fresh_plugin, monkeypatch,
                                                                  caplog, table, found):
     monkeypatch.setattr(versions, "installed", lambda: found)
     monkeypatch.setenv("MOETUNE_TABLE", str(table))
     plugin.register()
     (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
-    assert found in warning.getMessage() and ">=0.32, <0.33" in warning.getMessage()
+    assert found in warning.getMessage() and "0.32, 0.33, 0.34" in warning.getMessage()
     assert plugin._STATE is None and not hasattr(fresh_plugin.apply, hook._MARK)
     monkeypatch.setattr(plugin, "_REGISTERED", False)
     monkeypatch.setenv("MOETUNE_MODE", "strict")
@@ -466,8 +466,9 @@ def test_vllm_outside_the_supported_versions_disables_the_plugin(fresh_plugin, m
 
 
 def test_supported_versions_include_local_and_dev_builds():
-    for v in ("0.32.0", "0.32.0+cpu", "0.32.1.dev4+g1234"):
+    for v in ("0.32.0", "0.32.0+cpu", "0.32.1.dev4+g1234", "0.33.0", "0.34.0", "0.34.2rc1"):
         assert versions.unsupported(v) is None, v
+    assert "vllm>=0.32,<0.35" in versions.unsupported("0.35.0")
 
 
 def test_calls_bound_by_position_run_as_by_keyword(fake_vllm, table):

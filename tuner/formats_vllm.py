@@ -225,6 +225,9 @@ def _read_file(path: Path, hints: ShapeHints, report: FormatReport,
     if m is None:
         raise FormatError(f"{path}: not a vLLM tuned-config file name; expected "
                           "E={E},N={N},device_name={device}[,dtype=...][,block_shape=[n,k]].json")
+    if m["down"]:  # GEMM2-only configs: a moetune row holds both GEMMs' configs
+        report.skip(f"{path.name}: a GEMM2-only (_down.json) file, not imported")
+        return []
     version, configs = _load_configs(path)
     dtype, quant = hints.dtype, QuantScheme.NONE
     if m["dtype"] == "float32":

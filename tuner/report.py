@@ -15,6 +15,7 @@ from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
 from moetune.runtime.rules import rule_choice
+from moetune.runtime.vllm import versions
 from moetune.tuner.adopt import outdated
 from moetune.tuner.bucket import BucketOutcome
 
@@ -157,12 +158,25 @@ def doctor_text(sku: SKU, registry: Registry, problem: MoEProblem) -> str:
         table += "; the shipped table has changed since it was adopted: run moetune adopt"
     lines = [f"device:  {sku.label()}, {sku.memory_bytes / 2**30:.0f} GiB",
              "software: " + ", ".join(f"{k} {v}" for k, v in env.items() if v),
+             f"vllm:    {vllm_text()}",
              f"table:   {table}",
              f"rule:    {rule_choice(problem, sku).reason}",
              f"kernels for {problem.describe()}:"]
     for name, why in registry.eligibility(problem, sku).items():
         lines.append(f"  {name:<34} {'eligible' if why is None else 'no: ' + why}")
     return "\n".join(lines)
+
+
+def vllm_text() -> str:
+    """Whether the plugin serves with the installed vLLM, and the releases it supports."""
+    found = versions.installed()
+    if found == "unknown":
+        return (f"not installed; the plugin serves vLLM {versions.supported_list()} "
+                f"(pip install \"vllm{versions.supported_range().replace(' ', '')}\")")
+    why = versions.unsupported(found)
+    if why:
+        return f"{why}: the plugin disables itself and vLLM serves its own kernels"
+    return f"{found}, supported (the plugin serves vLLM {versions.supported_list()})"
 
 
 def merge_text(r: db.MergeReport) -> str:

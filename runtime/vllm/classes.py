@@ -27,6 +27,8 @@ import inspect
 from collections.abc import Callable
 from typing import Any
 
+from moetune.runtime.vllm.versions import VllmFacts, installed_facts
+
 _EXPERTS = "vllm.model_executor.layers.fused_moe.experts."
 
 
@@ -78,6 +80,13 @@ class ExpertsSpec:
     defers_input_quant: bool = False
     serves: str | None = None
     deep_gemm: bool = False
+    inherits_apply: bool = False
+
+    @property
+    def apply_inherited(self) -> bool:
+        """``apply`` may come from a base class: a ``FallbackExperts`` (``serves``) or one of
+        the per-scheme aiter classes vLLM 0.33 split off ``AiterExperts``."""
+        return self.serves is not None or self.inherits_apply
 
     @property
     def kernels_see(self) -> Held | None:
@@ -118,9 +127,23 @@ TRITON = ExpertsSpec(_EXPERTS + "triton_moe", "TritonExperts", Held.PLAIN,
 FALLBACK = ExpertsSpec(_EXPERTS + "triton_deep_gemm_moe", "TritonOrDeepGemmExperts", Held.PLAIN,
                        defers_input_quant=True, serves="fallback_experts", deep_gemm=True)
 CUDA_SPECS = (TRITON, FALLBACK)
-ROCM_SPECS = (ExpertsSpec(_EXPERTS + "rocm_aiter_moe", "AiterExperts", Held.AITER_SHUFFLED),
-              TRITON)
-ALL_SPECS = CPU_SPECS + CUDA_SPECS + ROCM_SPECS[:1]
+
+
+def aiter_specs(facts: VllmFacts) -> tuple[ExpertsSpec, ...]:
+    """vLLM's ROCm aiter experts classes in the version of ``facts`` (their weights shuffled
+    for aiter's CK/asm kernels)."""
+    split = facts.aiter_experts != ("AiterExperts",)
+    return tuple(ExpertsSpec(_EXPERTS + "rocm_aiter_moe", name, Held.AITER_SHUFFLED,
+                             inherits_apply=split) for name in facts.aiter_experts)
+
+
+def rocm_specs(facts: VllmFacts) -> tuple[ExpertsSpec, ...]:
+    return aiter_specs(facts) + (TRITON,)
+
+
+def all_specs(facts: VllmFacts) -> tuple[ExpertsSpec, ...]:
+    """Every class the plugin hooks on some platform in the version of ``facts``."""
+    return CPU_SPECS + CUDA_SPECS + aiter_specs(facts)
 #: vLLM's unquantized CPU experts in the order its oracle tries them, the portable one last:
 #: the ISA-specific ones subclass ``CPUUnquantizedExperts`` and inherit its hooked methods.
 CPU_UNQUANTIZED = ("X86CPUUnquantizedExperts", "ArmCPUUnquantizedExperts",
@@ -151,7 +174,7 @@ def platform_specs() -> tuple[ExpertsSpec, ...]:
     if current_platform.is_cpu():
         return CPU_SPECS
     if current_platform.is_rocm():
-        return ROCM_SPECS
+        return rocm_specs(installed_facts())
     if current_platform.is_cuda():
         return CUDA_SPECS
     raise IncompatibleVllm(f"no MoE hook for platform {type(current_platform).__name__}")

@@ -25,16 +25,17 @@ from moetune.runtime.problem import DType, MoEProblem, QuantScheme
 
 FILE_NAME = re.compile(r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<dev>[^,]+?)"
                        r"(?:,dtype=(?P<dtype>\w+))?(?:,block_shape=\[(?P<bn>\d+),(?P<bk>\d+)\])?"
-                       r"\.json$")
+                       r"(?P<down>_down)?\.json$")
 
 
 def config_file_name(num_experts: int, n: int, device_name: str, dtype: str | None,
-                     block_shape: tuple[int, int] | None) -> str:
-    """vLLM's ``get_config_file_name``, byte for byte."""
+                     block_shape: tuple[int, int] | None, down: bool = False) -> str:
+    """vLLM's ``get_config_file_name``, byte for byte; ``down``: the ``_down.json`` file vLLM
+    0.34 reads GEMM2's config from (``get_moe_configs(..., down_moe=True)``)."""
     name = f"E={num_experts},N={n},device_name={device_name}"
     name += f",dtype={dtype}" if dtype else ""
     name += f",block_shape=[{block_shape[0]},{block_shape[1]}]" if block_shape else ""
-    return name + ".json"
+    return name + ("_down.json" if down else ".json")
 
 
 def selectors(problem: MoEProblem) -> tuple[str | None, tuple[int, int] | None]:
@@ -95,11 +96,13 @@ def config_folders() -> tuple[Path, ...]:
     return tuple(f for f in folders if f is not None and f.is_dir())
 
 
-def tuned_file(problem: MoEProblem, sku: SKU, folders: tuple[Path, ...] | None = None) -> Path | None:
+def tuned_file(problem: MoEProblem, sku: SKU, folders: tuple[Path, ...] | None = None,
+               down: bool = False) -> Path | None:
     """The tuned config file vLLM would read for ``problem`` on ``sku`` from ``folders``
-    (default: where vLLM looks), if one exists."""
+    (default: where vLLM looks), if one exists (``down``: its GEMM2 file)."""
     name = config_file_name(problem.num_experts, problem.intermediate_size,
-                            vllm_device_name(sku.vendor.value, sku.name)[0], *selectors(problem))
+                            vllm_device_name(sku.vendor.value, sku.name)[0], *selectors(problem),
+                            down=down)
     for folder in config_folders() if folders is None else folders:
         if (folder / name).is_file():
             return folder / name
@@ -116,12 +119,13 @@ def _entries(path: Path) -> dict[int, dict[str, Any]] | None:
         return None
 
 
-def tuned_config(problem: MoEProblem, sku: SKU, folders: tuple[Path, ...] | None = None
-                 ) -> tuple[dict[str, Any], Path, int] | None:
+def tuned_config(problem: MoEProblem, sku: SKU, folders: tuple[Path, ...] | None = None,
+                 down: bool = False) -> tuple[dict[str, Any], Path, int] | None:
     """(config, file, entry M) vLLM runs for ``problem`` from a tuned file in ``folders``
     (default: where vLLM looks), or None when vLLM would use its default heuristic (no file,
-    or one it could not read either)."""
-    path = tuned_file(problem, sku, folders)
+    or one it could not read either). ``down``: GEMM2's entry from the ``_down.json`` file,
+    which vLLM 0.34 takes (``USE_TMA`` and all) where it runs its sorted-A TMA path."""
+    path = tuned_file(problem, sku, folders, down)
     entries = _entries(path) if path else None
     if not entries:
         return None

@@ -1,18 +1,65 @@
-"""The vLLM versions this package's facts were read from, and the installed one.
+"""The vLLM versions moetune supports, and every fact of theirs that differs between them.
 
-Outside the range the plugin disables itself (one warning naming the version) even where the
-hooked signatures still match: the layer description, the weight layouts and the classes vLLM
-picks are facts of these versions too. Widen the range after ``tests/test_vllm_contract.py``
-passes against the new version's sources.
+One ``VllmFacts`` per minor version, in ``FACTS``: the rest of the adapter reads a version's
+facts from here and nowhere else, so supporting a new release is one entry (and whatever new
+fact its diff shows), checked by the contract suite against that release's own sources
+(``docs/vllm.md`` has the recipe). Outside ``FACTS`` the plugin disables itself with one warning
+naming the version, even where the hooked signatures still match: the layer description, the
+weight layouts and the classes vLLM picks are facts of these versions too.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.metadata
 import re
 
-#: [lowest, first unsupported) as (major, minor).
-SUPPORTED = ((0, 32), (0, 33))
+
+@dataclasses.dataclass(frozen=True)
+class VllmFacts:
+    """What one vLLM minor version does differently in the MoE code moetune hooks.
+
+    Attributes:
+        aiter_experts: the ROCm aiter experts classes vLLM picks (``experts/rocm_aiter_moe.py``;
+            0.33 split ``AiterExperts`` into one class per quant scheme, which inherit or
+            override its ``apply``).
+        padded_rows: ``TritonExperts`` declares the ``PaddedStandard`` activation format: behind
+            a DeepEP v2 all2all (``moe_config.activation_format``) its calls carry padding rows
+            whose ``topk_ids`` are -1 and whose activations are garbage, which it skips and
+            leaves as zeros in the output.
+        down_configs: ``TritonExperts`` reads GEMM2's config from ``..._down.json`` files (with a
+            ``USE_TMA`` flag) for 128x128 block fp8, where vLLM takes its sorted-A TMA path.
+        finalize_hooks: methods and attributes of ``FusedMoEExperts`` that change what
+            ``TritonExperts.apply`` writes (where the router weight goes, the top-k reduction,
+            a hook after GEMM2, the output's width): a layer whose class or object sets any of
+            them otherwise than ``TritonExperts`` does is left to vLLM.
+    """
+
+    version: tuple[int, int]
+    aiter_experts: tuple[str, ...]
+    padded_rows: bool = False
+    down_configs: bool = False
+    finalize_hooks: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        return f"{self.version[0]}.{self.version[1]}"
+
+
+_AITER_SPLIT = ("AiterUnquantizedExperts", "AiterFp8BlockExperts", "AiterFp8TensorExperts",
+                "AiterFp8ChannelExperts")
+_FINALIZE_HOOKS = ("_apply_router_weight_in_gemm2", "_finalize_expert_output", "post_gemm2_hook",
+                   "output_hidden_dim")
+
+#: Every supported minor version, oldest first.
+FACTS: dict[tuple[int, int], VllmFacts] = {f.version: f for f in (
+    VllmFacts((0, 32), aiter_experts=("AiterExperts",)),
+    VllmFacts((0, 33), aiter_experts=_AITER_SPLIT, finalize_hooks=_FINALIZE_HOOKS),
+    VllmFacts((0, 34), aiter_experts=_AITER_SPLIT, padded_rows=True, down_configs=True,
+              finalize_hooks=_FINALIZE_HOOKS),
+)}
+#: The newest supported minor version.
+NEWEST = max(FACTS)
 
 
 def installed() -> str:
@@ -25,13 +72,34 @@ def installed() -> str:
     return "unknown"
 
 
-def unsupported(version: str) -> str | None:
-    """Why ``version`` is outside ``SUPPORTED``, or None if it is inside."""
-    low, high = SUPPORTED
-    span = f">={low[0]}.{low[1]}, <{high[0]}.{high[1]}"
+def supported_range() -> str:
+    """The supported versions as a pip specifier (``>=0.32, <0.35``)."""
+    low, high = min(FACTS), NEWEST
+    return f">={low[0]}.{low[1]}, <{high[0]}.{high[1] + 1}"
+
+
+def supported_list() -> str:
+    """The supported minor versions, readable (``0.32, 0.33, 0.34``)."""
+    return ", ".join(f.label for f in FACTS.values())
+
+
+def facts_of(version: str) -> VllmFacts | None:
+    """The facts of ``version``'s minor release, or None if moetune does not support it."""
     found = re.match(r"(\d+)\.(\d+)", version)
-    if found is None:
-        return f"vLLM version {version!r} cannot be read (supported: {span})"
-    if not low <= (int(found[1]), int(found[2])) < high:
-        return f"vLLM {version} is outside the versions moetune supports ({span})"
-    return None
+    return FACTS.get((int(found[1]), int(found[2]))) if found else None
+
+
+def unsupported(version: str) -> str | None:
+    """Why ``version`` is not supported, or None if it is."""
+    if facts_of(version) is not None:
+        return None
+    if re.match(r"(\d+)\.(\d+)", version) is None:
+        return f"vLLM version {version!r} cannot be read (supported: {supported_list()})"
+    return (f"vLLM {version} is outside the versions moetune supports ({supported_list()}; "
+            f"pip install \"vllm{supported_range().replace(' ', '')}\")")
+
+
+def installed_facts() -> VllmFacts:
+    """The facts of the installed vLLM; the newest supported release's where it is not a
+    supported one (the plugin refuses to hook it: ``unsupported``)."""
+    return facts_of(installed()) or FACTS[NEWEST]
