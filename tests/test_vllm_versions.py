@@ -198,38 +198,39 @@ def test_a_subclass_or_object_with_its_own_finalize_is_left_to_vllm(hooked_trito
 
 def test_a_padded_call_gives_what_vllms_kernel_gives(hooked_triton):
     """A call with padding rows (``topk_ids`` -1, activations garbage, as vLLM 0.34's
-    ``PaddedStandard`` hands them over): moetune's kernel gives zeros there, as vLLM's Triton
-    kernel does (it skips such slots and ``moe_sum`` adds nothing for them), and in every routed
-    row exactly what the same call without the padding gives."""
+    ``PaddedStandard`` hands them over), through this vLLM's real modular kernel and no-EP
+    prepare step: moetune's kernel gives zeros there, as vLLM's Triton kernel does (it skips such
+    slots and ``moe_sum`` adds nothing for them), and in every routed row what vLLM computes
+    (the reference: the sum over the row's routed slots)."""
     cls, state = hooked_triton
     experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
+    kernel = modular_kernel.FusedMoEKernel(no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular(),
+                                           experts)
     w13, w2 = weights()
     torch.manual_seed(1)
-    x = torch.randn(8, H)
-    topk_weights = torch.rand(8, TOPK)
-    topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(8)]).to(torch.int32)
-    want = call(experts, x, topk_weights, topk_ids, w13, w2)  # attaches; no padding
-    layer = experts.__dict__["_moetune_layer"]
-    assert layer.counts["hit"] == 1
+    m = 8
+    x = torch.randn(m, H)
+    topk_weights = torch.rand(m, TOPK)
+    topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
     pad = torch.tensor([False, True, False, False, True, False, False, True])
-    padded_x = x.clone()
-    padded_x[pad] = float("nan")  # garbage
-    padded_ids = topk_ids.masked_fill(pad[:, None], -1)
-    padded_ids[0, 1] = -1  # a routed row with one slot on no expert here
+    x[pad] = float("nan")  # garbage
+    topk_ids[pad] = -1
+    topk_ids[0, 1] = -1  # a routed row with one slot on no expert
+    kernel.apply(x[:1].nan_to_num(), w13, w2, topk_weights[:1], topk_ids[:1].clamp(min=0),
+                 MoEActivation.SILU, E, None, False)  # attaches the layer (unpadded)
+    layer = experts.__dict__["_moetune_layer"]
     layer.padded = True  # what ``describe.padded`` says of a PaddedStandard layer
-    got = call(experts, padded_x, topk_weights, padded_ids, w13, w2)
+    got = kernel.apply(x, w13, w2, topk_weights, topk_ids, MoEActivation.SILU, E, None, False)
     assert layer.counts["hit"] == 2
-    assert torch.equal(got[pad], torch.zeros(3, H))
-    one_slot = topk_weights.clone()
-    one_slot[0, 1] = 0
-    assert torch.allclose(got[~pad][1:], want[~pad][1:], atol=1e-5)
-    kernel = default_registry.get("torch_grouped").prepare(
-        Shape(H, I, E, TOPK, "float32", "none", "silu", True, False).problem(1), {},
+    assert torch.equal(got[pad], torch.zeros(int(pad.sum()), H))
+    reference = default_registry.get("reference").prepare(
+        Shape(H, I, E, TOPK, "float32", "none", "silu", True, False).problem(m), {},
         MoEWeights(w13, w2, QuantScheme.NONE))
-    row0 = kernel(x[:1], one_slot[:1], topk_ids[:1].clamp(min=0))
-    assert torch.allclose(got[:1], row0, atol=1e-5)
-    hidden, weights_, ids = unpadded(padded_x, topk_weights, padded_ids)
-    assert torch.isfinite(hidden).all() and (ids >= 0).all() and weights_[pad].eq(0).all()
+    routed = topk_ids >= 0
+    want = reference(x.nan_to_num(), topk_weights * routed, topk_ids.clamp(min=0))
+    assert torch.allclose(got[~pad], want[~pad], atol=1e-5)
+    hidden, weights_, ids = unpadded(x, topk_weights, topk_ids)
+    assert torch.isfinite(hidden).all() and (ids >= 0).all() and weights_[~routed].eq(0).all()
 
 
 def test_layers_behind_an_all2all_are_left_to_vllm():
