@@ -40,11 +40,11 @@ import torch
 
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.problem import QuantScheme
-from moetune.serving import op, prepack
-from moetune.serving.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS, W1, W2,
-                                       ApplyCall, op_args, wrap)
 from moetune.runtime.vllm.classes import (DEFER_PROPERTY, TRITON, ExpertsSpec, Held,
                                           check_fallback, check_method, check_property, own)
+from moetune.serving import op, prepack
+from moetune.serving.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS, W1, W2, ApplyCall,
+                                  op_args, wrap)
 from moetune.serving.describe import describe, differs, layer_weights, padded
 from moetune.serving.layer import Layer
 from moetune.serving.quant import quantize_input

@@ -14,7 +14,7 @@ Settings (environment):
     MOETUNE_STATS   where each process that ran MoE layers writes its counters at exit
                     (``{pid}`` is replaced by the process id)
 
-Anything wrong with the table, a vLLM outside ``version.SUPPORTED`` or vLLM internals that
+Anything wrong with the table, a vLLM outside ``versions.FACTS`` or vLLM internals that
 differ leave vLLM serving with its own kernels and one warning; only ``strict`` refuses to
 start, with a ``TableError`` saying why.
 """

@@ -18,10 +18,9 @@ from typing import Any
 from moetune.errors import TableError
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.problem import MoEProblem, Shape
-from moetune.serving.misses import MissLog
-from moetune.runtime.plan import ShapePlan
-from moetune.runtime.plan import Outcome
+from moetune.runtime.plan import Outcome, ShapePlan
 from moetune.runtime.vllm.versions import VllmFacts, installed_facts
+from moetune.serving.misses import MissLog
 from moetune.serving.settings import Mode, Settings
 
 logger = logging.getLogger("moetune")
