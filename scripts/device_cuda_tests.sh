@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine: the CUDA kernel and contract tests (4 workers, JUnit record), then doctor and
 # lookup on CUDA, with vLLM's tuned configs from .vllm-configs (copy them from the vLLM release the
-# rule should follow). Carried: .whl (../shared/device/wheels.sh) and .vllm-configs.
+# rule should follow). Carried: .whl (../shared/device/wheels.sh, then scripts/slim_aiter_wheel.py .whl
+# to fit the 64 MiB tree) and .vllm-configs.
 #   COMMIT=$(git rev-parse --short HEAD) bash scripts/device_cuda_tests.sh   (writes to $OUT)
 set -u
 python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target $HOME/site .whl/*.whl && export PYTHONPATH=$HOME/site:${PYTHONPATH:-} && python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 1
