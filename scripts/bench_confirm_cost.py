@@ -28,6 +28,7 @@ from moetune.tuner.bucket import BucketOutcome
 from moetune.tuner.confirm import ALPHA, DISTURBED, MARGIN
 from moetune.tuner.job import JobOptions, run_job, source_commit
 from moetune.tuner.shapes import ShapeOptions, parse_buckets, resolve
+from moetune.tuner.timing import interval_text
 
 #: Rounds of every finalist the previous rule timed, and nothing more.
 PREVIOUS_ROUNDS = 5
@@ -95,7 +96,7 @@ def report(outcomes: list[BucketOutcome], args: argparse.Namespace, device: str)
         previous_s = confirm * previous / d.retimes
         b = d.baseline
         gain = d.reason if d.winner.kernel == b.kernel and d.winner.params == b.params \
-            else f"{d.speedup:.3f}x ({b.ratio_lo:.3f}-{b.ratio_hi:.3f})"
+            else f"{d.speedup:.3f}x ({interval_text(b.ratio_lo, b.ratio_hi, b.rounds)})"
         lines.append(f"| {o.problem.num_tokens} | {d.winner.kernel} | {gain} | {search:.1f} | "
                      f"{confirm:.1f} | {confirm / s['total']:.0%} | {d.rounds} | {b.disturbed} "
                      f"| {d.retimes} | {previous} | {previous_s:.1f} |")

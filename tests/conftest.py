@@ -19,6 +19,23 @@ from moetune.tuner.presets import preset
 os.environ["MOETUNE_HOME"] = tempfile.mkdtemp(prefix="moetune-home-")
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Deselect tests marked ``fresh_process(*flags)`` unless every flag is "1" here.
+
+    Such tests run only inside the fresh process an outer test starts with those variables set
+    (Triton picks its interpreter when a kernel is defined); outside it they are not this run's
+    tests, so they are deselected rather than reported as skips.
+    """
+    keep, drop = [], []
+    for item in items:
+        marker = item.get_closest_marker("fresh_process")
+        inside = marker is None or all(os.environ.get(flag) == "1" for flag in marker.args)
+        (keep if inside else drop).append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
+
+
 @pytest.fixture(scope="session")
 def cpu_sku():
     return detect_sku("cpu")

@@ -17,9 +17,10 @@ import pytest
 from moetune.runtime.kernels.base import BaseKernel, params_key
 from moetune.runtime.registry import KERNEL_PATHS, Registry
 from moetune.runtime.rules import rule_choice
-from moetune.tuner.confirm import MARGIN, confirm
+from moetune.tuner.confirm import ALPHA, MARGIN, confirm
 from moetune.tuner.measure import Measurer, Result, Status
-from moetune.tuner.timing import Timing, median_error, ratio_interval
+from moetune.tuner.timing import (Timing, interval_text, median_error, ratio_interval,
+                                   readable_bounds)
 
 NOISE = ("jitter", "spikes", "busy", "drift")
 
@@ -171,7 +172,7 @@ def test_a_baseline_slow_in_every_round_is_not_beaten(small_problem, cpu_sku):
     script = Script({rule: [190.0, 185.0, 195.0], "same": [100.0]})
     decision = confirm(small_problem, cpu_sku, script, _results(rule, ["same"]))
     assert decision.winner.kernel == rule and decision.rounds == 20
-    assert "0 rounds)" in decision.reason
+    assert "not enough rounds (0)" in decision.reason
 
 
 def test_a_far_slower_contender_on_a_busy_host_is_dropped_at_once(small_problem, cpu_sku):
@@ -262,3 +263,35 @@ def test_a_busy_host_never_makes_a_slower_copy_of_the_rule_win(small_problem, cp
     finally:
         stop.set()
         thread.join()
+
+
+@pytest.mark.parametrize(("fast", "clean"), [([50.0] + [500.0] * 19, 1),
+                                             ([50.0, 60.0] + [500.0] * 18, 2)])
+def test_an_interval_from_too_few_clean_rounds_is_stored_and_shown_as_not_enough(
+        small_problem, cpu_sku, fast, clean):
+    """What printed "0.073x (0.000-0.000, 1 rounds)" and "1.898x (0.000-7.5e+04)" and stored
+    ``ratio_hi`` 2e+231: a contender clean in only one or two rounds (the rest disturbed)."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    decision = confirm(small_problem, cpu_sku, Script({rule: [100.0], "fast": fast}),
+                       _results(rule, ["fast"]))
+    assert decision.winner.kernel == rule and decision.rounds == 20
+    assert f"(not enough rounds ({clean}))" in decision.reason, decision.reason
+    assert "e+" not in decision.reason and "0.000" not in decision.reason
+    raw = ratio_interval([2.0, 100.0 / 60.0][:clean], ALPHA)  # what such rounds give, as stored
+    assert raw.bounds() is None and raw.text() == f"not enough rounds ({clean})"
+
+
+@pytest.mark.parametrize(("lo", "hi", "rounds", "text"), [
+    (0.0, 0.0, 1, "not enough rounds (1)"),
+    (0.0, 7.5e4, 2, "not enough rounds (2)"),
+    (0.0, 2801.747, 5, "not enough rounds (5)"),
+    (1.2e-3, 2e231, 3, "not enough rounds (3)"),
+    (1.0, math.inf, 4, "not enough rounds (4)"),
+    (None, None, 6, "not enough rounds (6)"),
+    (1.021, 1.13, 12, "1.021-1.130, 12 rounds"),
+    (1.1, 1.2, None, "1.100-1.200, rounds not recorded"),
+])
+def test_intervals_print_bounded_with_their_round_count(lo, hi, rounds, text):
+    assert interval_text(lo, hi, rounds) == text
+    bounds = readable_bounds(lo, hi, rounds)
+    assert bounds is None or (bounds == (lo, hi) and bounds[1] <= 10 * bounds[0] < 1e6)

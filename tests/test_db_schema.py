@@ -1,5 +1,6 @@
 """Schema, migrations and file validation of table files."""
 
+import json
 import re
 import shutil
 import sqlite3
@@ -247,3 +248,33 @@ def test_run_ceilings_are_stored_read_and_dropped_by_the_0005_downgrade(tmp_path
     command.upgrade(config, "head")
     assert schema_revision(path) == HEAD_REVISION
     assert len(read_winners(path).rows) == 2
+
+
+def test_0006_clears_intervals_that_say_nothing_and_keeps_the_rest(tmp_path):
+    """Rows stored before 0006 with the intervals few rounds gave (``ratio_hi`` 2e+231, 0.0-7.5e+04,
+    0.0-0.0 from 1 round, infinity written as text by hand) read back with both bounds null;
+    a readable interval, the times and ``beaten`` are kept."""
+    path = _real_table(tmp_path / "t.db")
+    command.downgrade(alembic_config(path), "0005_run_ceilings")
+
+    def variant(lo, hi, rounds):
+        return {"kernel": "rule", "params": {}, "median_us": 15.0, "p20_us": 14.0, "p80_us": 16.0,
+                "rounds": rounds, "ratio_lo": lo, "ratio_hi": hi, "beaten": False}
+
+    stored = [variant(1.2e-3, 2e231, 3), variant(0.0, 7.5e4, 2), variant(0.0, 0.0, 1),
+              variant(1.02, 1.13, 12)]
+    text = json.dumps({"variants": stored})
+    with sqlite3.connect(path) as connection:
+        connection.execute("UPDATE winner SET baselines = ? WHERE id = 1", (text,))
+        connection.execute("UPDATE winner SET baselines = ? WHERE id = 2", (
+            '{"variants":[{"kernel":"rule","params":{},"ratio_lo":1.1,"ratio_hi":Infinity}]}',))
+    command.upgrade(alembic_config(path), "head")
+    assert schema_revision(path) == HEAD_REVISION
+    rows = {r.bucket["num_tokens"]: r for r in read_winners(path).rows}
+    got = [(b["ratio_lo"], b["ratio_hi"]) for b in rows[1].baselines]
+    assert got == [(None, None), (None, None), (None, None), (1.02, 1.13)]
+    assert [b["median_us"] for b in rows[1].baselines] == [15.0] * 4
+    assert [(b["ratio_lo"], b["ratio_hi"]) for b in rows[2].baselines] == [(None, None)]
+    with sqlite3.connect(path) as connection:
+        texts = [t for (t,) in connection.execute("SELECT baselines FROM winner")]
+    assert not any("e+231" in t or "Infinity" in t for t in texts)

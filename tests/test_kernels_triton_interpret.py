@@ -30,8 +30,9 @@ from tests.routing_checks import check_routing, random_ids
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted = pytest.mark.skipif(
-    not INTERPRETED, reason="runs inside test_interpreted_checks_pass_in_a_fresh_process")
+# Collected only inside the fresh process the outer test starts (tests/conftest.py), so the
+# outer run neither skips nor counts them.
+interpreted = pytest.mark.fresh_process("TRITON_INTERPRET")
 pytestmark = pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed (pip install triton)")
 
 # The interpreter runs numpy: float32 is exact up to summation order, float16 rounds like the GPU.
@@ -147,9 +148,7 @@ def test_vllm_default_config_runs_interpreted(cpu_sku):
 # --- moetune_decode: the small-M kernel (two launches, no routing step) ------------------------
 # Its interpreted checks run in a process of their own (the outer test below), so the aiter
 # checks above keep their time budget.
-DECODE_INTERPRETED = INTERPRETED and os.environ.get("MOETUNE_DECODE_CHECKS") == "1"
-decode_interpreted = pytest.mark.skipif(
-    not DECODE_INTERPRETED, reason="runs inside test_decode_checks_pass_in_a_fresh_process")
+decode_interpreted = pytest.mark.fresh_process("TRITON_INTERPRET", "MOETUNE_DECODE_CHECKS")
 DECODE = {"g1_BLOCK_N": 16, "g1_BLOCK_K": 64, "g1_num_warps": 4, "g1_num_stages": 2,
           "g2_BLOCK_N": 32, "g2_BLOCK_K": 32, "g2_num_warps": 4, "g2_num_stages": 2,
           "SPLIT_K": 1, "REDUCE": "atomic", "PDL": 0}
@@ -371,9 +370,7 @@ def test_decode_overlapped_launch_is_offered_on_hopper_cuda_only(monkeypatch):
 
 
 # --- moetune_grouped: the prefill kernel (grouped GEMMs, the top-k reduce fused) ----------------
-GROUPED_INTERPRETED = INTERPRETED and os.environ.get("MOETUNE_GROUPED_CHECKS") == "1"
-grouped_interpreted = pytest.mark.skipif(
-    not GROUPED_INTERPRETED, reason="runs inside test_grouped_checks_pass_in_a_fresh_process")
+grouped_interpreted = pytest.mark.fresh_process("TRITON_INTERPRET", "MOETUNE_GROUPED_CHECKS")
 _TILE = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "BLOCK_SIZE_K": 32, "GROUP_SIZE_M": 1,
          "num_warps": 4, "num_stages": 2}
 GROUPED = {**with_prefix(_TILE, "g1_"), **with_prefix(_TILE, "g2_"), "REDUCE": "atomic"}
@@ -661,10 +658,8 @@ def test_grouped_takes_over_a_vllm_config_at_the_same_work_per_program():
 
 
 # --- moetune_grouped_mm: torch's grouped GEMMs with Triton passes between them ------------------
-GROUPED_MM_INTERPRETED = INTERPRETED and os.environ.get("MOETUNE_GROUPED_MM_CHECKS") == "1"
-grouped_mm_interpreted = pytest.mark.skipif(
-    not GROUPED_MM_INTERPRETED,
-    reason="runs inside test_grouped_mm_checks_pass_in_a_fresh_process")
+grouped_mm_interpreted = pytest.mark.fresh_process("TRITON_INTERPRET",
+                                                   "MOETUNE_GROUPED_MM_CHECKS")
 # moetune_grouped_mm's gather, activation and ordered sum around torch's CPU grouped GEMM: top-1,
 # top-k with experts no pair routes to (an empty group), the router weight on the input, ungated
 # GELU and gated GELU, and H=72, I=40 (multiples of no Triton block).

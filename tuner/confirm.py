@@ -35,15 +35,15 @@ class Baseline:
     """One rule variant timed beside the winner: its pooled timing and the winner's speedup
     over it, taken round by round over ``rounds`` rounds clean for both (``disturbed`` more were
     left out): ``ratio_lo``-``ratio_hi`` is its confidence interval (``ratio_interval`` at
-    ``ALPHA``; 0.0 for both with fewer than 2 rounds). ``beaten``: ``ratio_lo`` is above
-    ``1 + MARGIN``."""
+    ``ALPHA``; ``None`` for both where it says nothing: ``readable_bounds``). ``beaten``: the
+    interval lies above ``1 + MARGIN`` (decided on the unrounded bounds)."""
 
     kernel: str
     params: dict[str, Any]
     timing: Timing
     rounds: int
-    ratio_lo: float
-    ratio_hi: float
+    ratio_lo: float | None
+    ratio_hi: float | None
     beaten: bool
     disturbed: int = 0
 
@@ -139,8 +139,7 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
         timed.add(who, 1)
     verdict = timed.interval(contender, 0, ALPHA)
     best = contender if verdict.above(1 + MARGIN) else 0
-    hi = f"{verdict.hi:.3f}" if verdict.hi < 1e3 else f"{verdict.hi:.2g}"  # few rounds: huge
-    evidence = f"({verdict.lo:.3f}-{hi}, {verdict.rounds} rounds)"
+    evidence = f"({verdict.text()})"
     if best:
         reason = f"{verdict.ratio:.2f}x over baseline {evidence}"
     elif contender:
@@ -151,7 +150,8 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     baselines = []
     for i, b in enumerate(bases):
         v = timed.interval(best, i, ALPHA)
-        baselines.append(Baseline(b.kernel, b.params, timed.pooled(i), v.rounds, v.lo, v.hi,
+        lo, hi = v.bounds() or (None, None)
+        baselines.append(Baseline(b.kernel, b.params, timed.pooled(i), v.rounds, lo, hi,
                                   i != best and v.above(1 + MARGIN),
                                   timed.shared(best, i) - v.rounds))
     return Decision(finalists[best], timed.pooled(best), tuple(baselines), reason,

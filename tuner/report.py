@@ -18,6 +18,7 @@ from moetune.runtime.rules import rule_choice
 from moetune.runtime.vllm import versions
 from moetune.tuner.adopt import outdated
 from moetune.tuner.bucket import BucketOutcome
+from moetune.tuner.timing import interval_text
 
 
 def winner_dicts(snapshot: db.TableSnapshot, sku: SKU) -> list[dict[str, Any]]:
@@ -86,8 +87,8 @@ def speedup_markdown(snapshot: db.TableSnapshot, sku: SKU) -> str:
                 rule.reason.split(" with ")[-1],
                 _num(pick and pick.get("median_us"), ".1f"),
                 "-" if pick is None or not r.median_us else
-                f"{pick['median_us'] / r.median_us:.3f}x ({pick.get('ratio_lo', 0):.3f}-"
-                f"{pick.get('ratio_hi', 0):.3f})",
+                f"{pick['median_us'] / r.median_us:.3f}x ("
+                f"{interval_text(pick.get('ratio_lo'), pick.get('ratio_hi'), pick.get('rounds'))})",
                 "; ".join(f"{b['median_us']:.1f}, {b['median_us'] / r.median_us:.3f}x"
                           for b in others if b.get("median_us") and r.median_us) or "-",
                 "yes" if verdict.selection is not None else f"no: {verdict.reason}"))

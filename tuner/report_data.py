@@ -22,6 +22,7 @@ from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.rules import rule_variants
 from moetune.tuner.presets import PRESETS
 from moetune.tuner.roofline import Ceilings, Floors, floors_us
+from moetune.tuner.timing import interval_text, readable_bounds
 
 
 class RowStatus(str, enum.Enum):
@@ -40,13 +41,19 @@ class RowStatus(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class Variant:
-    """One rule variant the winner was timed against, and the winner's speedup over it."""
+    """One rule variant the winner was timed against, and the winner's speedup over it:
+    ``ratio_lo``-``ratio_hi`` its interval over ``rounds`` rounds, ``None`` where the stored one
+    says nothing (``readable_bounds``)."""
 
     label: str
     median_us: float | None
     speedup: float | None
     ratio_lo: float | None
     ratio_hi: float | None
+    rounds: int | None
+
+    def interval_text(self) -> str:
+        return interval_text(self.ratio_lo, self.ratio_hi, self.rounds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -303,7 +310,9 @@ def _variant(b: dict[str, Any], row: db.WinnerRecord, labels: dict[tuple, str]) 
     if (b["kernel"], params_key(b["params"])) == (row.baseline_kernel,
                                                   params_key(row.baseline_params)):
         speedup = row.speedup  # the table's own number for the rule where it was tuned
-    return Variant(label, us, speedup, b.get("ratio_lo"), b.get("ratio_hi"))
+    rounds = b.get("rounds")
+    lo, hi = readable_bounds(b.get("ratio_lo"), b.get("ratio_hi"), rounds) or (None, None)
+    return Variant(label, us, speedup, lo, hi, rounds)
 
 
 def _variant_label(reason: str) -> str:

@@ -241,8 +241,7 @@ def _winner_row(b: BucketView, others: list[str]) -> str:
              (f'<td class="n">{r.p20_us:.1f}-{r.p80_us:.1f}</td>'
               if r.p20_us is not None and r.p80_us is not None else '<td class="n">-</td>'),
              us(r.baseline_us), num(r.speedup, ".3f", "x"),
-             (f'<td class="n">{b.rule.ratio_lo:.3f}-{b.rule.ratio_hi:.3f}</td>'
-              if b.rule and b.rule.ratio_lo and b.rule.ratio_hi else '<td class="n">-</td>')]
+             f'<td class="n">{e(b.rule.interval_text()) if b.rule else "-"}</td>']
     for label in others:
         v = next((v for v in b.others if v.label == label), None)
         cells += [us(v.median_us if v else None), num(v.speedup if v else None, ".3f", "x")]

@@ -69,6 +69,42 @@ class RatioInterval:
         """The whole interval lies below ``threshold``."""
         return self.rounds >= 2 and self.hi < threshold
 
+    def bounds(self) -> tuple[float, float] | None:
+        """The bounds as stored in a table row (``readable_bounds``); decisions use the raw ones."""
+        return readable_bounds(self.lo, self.hi, self.rounds)
+
+    def text(self) -> str:
+        """The interval and its round count as printed (``interval_text``)."""
+        return interval_text(self.lo, self.hi, self.rounds)
+
+
+#: An interval whose bounds differ by more than this factor tells a reader nothing (two rounds
+#: at ``ALPHA`` give bounds such as 0.000-7.5e+04): it is stored as none and shown as "not enough
+#: rounds". Migration 0006 applies the same limit to rows stored before.
+WIDEST = 10.0
+
+
+def readable_bounds(lo: float | None, hi: float | None,
+                    rounds: int | None) -> tuple[float, float] | None:
+    """``(lo, hi)`` where they are worth storing and printing: from at least 2 rounds (``None``:
+    not recorded, rows from before rounds were stored), finite, positive and at most ``WIDEST``
+    apart; else ``None``."""
+    if lo is None or hi is None or (rounds is not None and rounds < 2):
+        return None
+    if not (0.0 < lo <= hi < math.inf) or hi > WIDEST * lo:
+        return None
+    return lo, hi
+
+
+def interval_text(lo: float | None, hi: float | None, rounds: int | None) -> str:
+    """An interval as a person reads it, its round count beside it: ``1.021-1.130, 12 rounds``,
+    or ``not enough rounds (2)`` where ``readable_bounds`` finds nothing to show."""
+    bounds = readable_bounds(lo, hi, rounds)
+    count = "rounds not recorded" if rounds is None else f"{rounds} rounds"
+    if bounds is None:
+        return f"not enough rounds ({rounds if rounds is not None else 'not recorded'})"
+    return f"{bounds[0]:.3f}-{bounds[1]:.3f}, {count}"
+
 
 def median_error(t: Timing) -> float:
     """The relative standard error of ``t``'s median that its own repetitions imply: their
