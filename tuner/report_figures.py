@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+from matplotlib.axes import Axes
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.colors import LogNorm, Normalize
 from matplotlib.figure import Figure
@@ -199,7 +200,7 @@ def _times(shape: ShapeView) -> Figure:
     ax.set_ylabel("time per MoE call (us)")
     ax.set_title(f"{shape.name}: time against num_tokens", fontsize=10)
     ax.grid(which="both", alpha=0.25)
-    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    _legend(ax)
     if floors:
         frac = axes[1]
         for attr, style in (("roofline", dict(color="#2f6db3", marker="o", label="winner")),
@@ -212,11 +213,18 @@ def _times(shape: ShapeView) -> Figure:
         frac.set_ylim(0, max(1.1, *(b.roofline or 0 for b in shape.buckets)) * 1.05)
         frac.set_ylabel("roofline fraction")
         frac.grid(alpha=0.25)
-        frac.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+        _legend(frac)
     axes[-1].set_xticks(m, [str(t) for t in m], fontsize=7, rotation=60)
     axes[-1].minorticks_off()
     axes[-1].set_xlabel("num_tokens (bucket)")
     return fig
+
+
+def _legend(ax: Axes) -> None:
+    """A legend beside ``ax``, if anything was drawn on it (a shape whose rows have no times,
+    such as imported ones, draws nothing)."""
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
 
 
 def _short(label: str) -> str:
