@@ -430,7 +430,7 @@ def test_a_job_on_several_devices_tunes_every_bucket_once_into_one_table(tmp_pat
 
     lanes = []
     outcomes = run_job(problems, tmp_path / "t.db", cpu_sku,
-                       JobOptions(device="cpu", devices=("cpu", "cpu"), trials=3, reps=2),
+                       JobOptions(device="cpu", devices=("cpu", "cpu"), trials=3, refine=0, reps=2),
                        on_bucket=lambda o: lanes.append(threading.current_thread().name))
     assert [o.problem for o in outcomes] == problems and [o.error for o in outcomes] == [None] * 6
     assert len(lanes) == 6 and len(set(lanes)) == 2  # both devices took buckets
