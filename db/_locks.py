@@ -1,18 +1,23 @@
-"""Locks beside a table file, so that several processes can write one table safely.
+"""Locks for a table file, so that several processes can write one table safely.
 
 A table file is replaced whole on every write (``write_table``: copy, write, replace); two jobs
 copying it at once would each replace the other's rows. So every write holds the table's
 *publish* lock from the copy to the replace, and a job holds a *claim* on each bucket while it
-tunes it. Both are ``filelock`` locks (``flock`` on Unix) in ``.NAME.locks/`` next to the table:
-the operating system drops them when their process exits or is killed, so a dead job never
-blocks another one.
+tunes it. Both are ``filelock`` locks (``flock`` on Unix): the operating system drops them when
+their process exits or is killed, so a dead job never blocks another one.
+
+The lock files live outside the user's folders (``_locks_dir``): a lock file cannot be deleted
+safely while another process may be about to lock it, so they stay, and a checkout or model
+folder holding a table must not collect them.
 """
 
 import contextlib
 import datetime
+import getpass
 import hashlib
 import os
 import socket
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -25,14 +30,23 @@ LOCK_TIMEOUT_S = 120.0
 
 
 def _locks_dir(path: Path) -> Path:
-    """``.NAME.locks/`` beside the table, created on first use.
+    """The table's lock directory, created on first use: ``NAME-HASH/`` (``HASH`` of the
+    table's resolved path, so every process meets the same locks whichever path it was given)
+    under ``$MOETUNE_LOCK_DIR``, by default ``moetune-locks-USER`` in the system's temporary
+    folder. Writers on several hosts, or as several users, of one table file share locks only
+    if ``MOETUNE_LOCK_DIR`` names one folder all of them can write (a PostgreSQL table needs
+    none).
 
     Raises:
-        TableError: The directory cannot be created (e.g. the table's directory is read-only).
+        TableError: The directory cannot be created.
     """
-    directory = path.absolute().parent / f".{path.name}.locks"
+    base = os.environ.get("MOETUNE_LOCK_DIR") or Path(tempfile.gettempdir()) / (
+        f"moetune-locks-{getpass.getuser()}")
+    resolved = str(path.resolve())
+    digest = hashlib.blake2b(resolved.encode(), digest_size=8).hexdigest()
+    directory = Path(base) / f"{path.name}-{digest}"
     try:
-        directory.mkdir(exist_ok=True)
+        directory.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise TableError(f"{path}: cannot write its lock directory {directory} "
                          f"({e.strerror or e})") from e
