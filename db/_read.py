@@ -22,10 +22,12 @@ from moetune.db._models import (
     SKU_COLUMNS,
     BucketRow,
     Measurement,
+    RunStatus,
     SkuRow,
     TuningRun,
     WinnerRow,
 )
+from moetune.db._tuning import process_gone
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,6 +244,8 @@ class RunRecord:
 
     ``environment`` and ``ceilings`` are ``None`` when their stored JSON cannot be parsed;
     ``ceilings`` also on the CPU and for runs from before schema 0005. Times are naive UTC.
+    ``status`` is as of reading: a run stored as ``running`` whose process on this host is gone
+    reads ``interrupted`` (``process_gone``), as the next write will store it.
     """
 
     id: int
@@ -271,7 +275,8 @@ def read_runs(path: str | Path) -> list[RunRecord]:
             id=run.id, sku=sku.key(), moetune_version=run.moetune_version, commit=run.commit,
             environment=json_or_none(run.environment), driver=run.driver, host=run.host,
             command=run.command, started_at=run.started_at, finished_at=run.finished_at,
-            status=run.status.value, ceilings=json_or_none(run.ceilings),
+            status=(RunStatus.INTERRUPTED if process_gone(run) else run.status).value,
+            ceilings=json_or_none(run.ceilings),
         ) for run, sku in session.execute(query)]
 
 

@@ -177,9 +177,16 @@ def mark_interrupted(session: Session) -> None:
         TuningRun.status == RunStatus.RUNNING, TuningRun.host == socket.gethostname(),
         TuningRun.pid.is_not(None))).all()
     for run in runs:
-        if not _process_alive(run.pid):
+        if process_gone(run):
             run.status = RunStatus.INTERRUPTED
     session.flush()
+
+
+def process_gone(run: TuningRun) -> bool:
+    """Whether ``run`` is still marked ``running`` but its process on this host is gone (what
+    ``mark_interrupted`` stores, and readers show before the next write stores it)."""
+    return (run.status is RunStatus.RUNNING and run.host == socket.gethostname()
+            and run.pid is not None and not _process_alive(run.pid))
 
 
 def _process_alive(pid: int) -> bool:

@@ -325,3 +325,40 @@ def test_floor_arithmetic_matches_the_weights_the_kernels_read():
 
 def test_report_shows_in_help():
     assert "report" in invoke("--help").output
+
+
+def test_the_first_screen_says_what_is_gained_and_later_runs_collapse(tmp_path):
+    """The summary and every shape's speedup figure come first; runs that each measured their
+    own ceilings make one line with the ranges; a run whose process is gone reads interrupted
+    (no write needed); an interval from two rounds stored as 2e+231 reads "not enough rounds"."""
+    import subprocess
+
+    path = tmp_path / "t.db"
+    sku = detect_sku("cpu")
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    with db.write_table(path) as t, t.session() as s:
+        sku_row = db.get_or_create_sku(s, sku.vendor.value, sku.name, sku.arch,
+                                       sku.compute_units, sku.memory_bytes)
+        runs = [db.start_run(s, sku_row, {"torch": "2.13.0"}, "moetune tune", "abc", None,
+                             ceilings=Ceilings(hbm, flops).to_dict())
+                for hbm, flops in ((4.1e12, 7.5e14), (4.3e12, 7.9e14), (4.2e12, 7.7e14))]
+        killed = db.start_run(s, sku_row, {"torch": "2.13.0"}, "moetune tune", "abc", None)
+        problem = TINY.problem(1)
+        bucket = db.get_or_create_bucket(s, **problem.to_row())
+        baselines = _baselines(problem, sku, 10.0, (13.0, 40.0))
+        baselines[0].update(rounds=2, ratio_lo=1.2e-3, ratio_hi=2e231)
+        db.set_winner(s, sku_row, bucket, runs[0], "torch_grouped", {}, 10.0, 9.9, 10.1, 1e-3,
+                      baselines[0]["kernel"], baselines[0]["params"], 13.0, baselines=baselines)
+        for run in runs:
+            db.finish_run(s, run, db.RunStatus.FINISHED)
+        killed.pid = dead.pid
+    page, parsed = _render(path, tmp_path / "r")
+    summary, grid = page.index('id="summary"'), page.index('class="grid"')
+    assert summary < grid < page.index(f'id="{_slug(problem)}"') < page.index('id="ceilings"')
+    ceilings = re.findall(r"<li>(.*?)</li>", page[page.index('id="ceilings"'):])
+    assert ceilings[0].startswith("runs 1-3: HBM 4.10-4.30 TB/s, bf16 750-790 TFLOP/s")
+    assert ceilings[1].startswith("run 4: none")
+    assert [cells[3][0] for cells in parsed.tables["runs"][1:]] == ["finished"] * 3 + [
+        "interrupted"]
+    assert "not enough rounds (2)" in page and "e+231" not in page
