@@ -8,6 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from moetune.runtime.dispatcher import Dispatcher, default_table
+from moetune.runtime.kernels.base import WeightLayout
+from moetune.runtime.plan import ShapePlan
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.registry import default_registry
 from moetune.tuner import adopt as adopt_table
@@ -57,8 +59,8 @@ def lookup(
     problem = shape.problem(num_tokens)
     sku = detect_sku(device.value)
     dispatcher = Dispatcher.load(table or default_table(sku), sku)
-    selection = dispatcher.select(problem)
-    out.print(report.lookup_text(problem, dispatcher, selection), highlight=False)
+    plan = ShapePlan.build(dispatcher, problem.shape, WeightLayout.PLAIN)
+    out.print(report.lookup_text(problem, dispatcher, plan), highlight=False)
 
 
 @app.command()

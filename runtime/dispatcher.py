@@ -168,6 +168,11 @@ class Dispatcher:
         ``TableStatus.faulty_rows``); ``select`` ignores those rows."""
         return dict(self._shape(shape).faults)
 
+    def refused(self, shape: Shape) -> dict[int, str]:
+        """num_tokens -> reason for every bucket of ``shape`` whose row is not served (faulty,
+        as in ``faults``, or stale)."""
+        return dict(self._shape(shape).refused)
+
     def faulty_rows(self, shape: Shape) -> tuple[str, ...]:
         """The lines of ``status.faulty_rows`` for ``shape``'s buckets, without judging other
         shapes: a vLLM process warns about those of the shapes its layers have."""

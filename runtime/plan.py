@@ -43,6 +43,8 @@ class Choice:
     kernel: str | None = None
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     graph_safe: bool = False
+    #: ``stale`` or ``faulty`` where the bucket has a table row serving does not use.
+    refused: str = ""
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -52,7 +54,10 @@ class Choice:
     def label(self) -> str:
         if self.kernel is not None:
             return self.kernel
-        return "vLLM" if self.outcome is Outcome.HIT else f"vLLM ({self.outcome.value})"
+        if self.outcome is Outcome.HIT:
+            return "vLLM"
+        return f"vLLM ({self.outcome.value}: {self.refused} row)" if self.refused else (
+            f"vLLM ({self.outcome.value})")
 
 
 _MISS = Choice(Outcome.MISS, "shape not in table")
@@ -71,12 +76,16 @@ class ShapePlan:
         self._memo: dict[int, tuple[Choice, int | None]] = {}
 
     @classmethod
-    def build(cls, dispatcher: Any, shape: Shape, layout: WeightLayout,
-              faults: Mapping[int, str]) -> ShapePlan:
-        """Ask ``dispatcher`` for each of the shape's buckets; ``faults``: buckets whose row the
-        dispatcher rejected as faulty (num_tokens -> reason), which count as fallbacks."""
-        choices = {m: Choice(Outcome.FALLBACK, f"faulty table row: {why}")
-                   for m, why in faults.items()}
+    def build(cls, dispatcher: Any, shape: Shape, layout: WeightLayout) -> ShapePlan:
+        """Ask ``dispatcher`` for each of the shape's buckets. A bucket whose row the dispatcher
+        refuses (faulty, or stale: timed against another rule or under other versions) runs
+        vLLM's own kernel, counted as a fallback: its num_tokens are not sent to a neighbour's
+        winner, which was never timed there."""
+        faults = dispatcher.faults(shape)
+        choices = {m: Choice(Outcome.FALLBACK, f"faulty table row: {why}", refused="faulty")
+                   if m in faults else Choice(Outcome.FALLBACK, f"table row {why}",
+                                              refused="stale")
+                   for m, why in dispatcher.refused(shape).items()}
         tuned = dispatcher.buckets(shape)
         for m in tuned:
             selection = dispatcher.select(shape.problem(m), layout)
@@ -103,6 +112,10 @@ class ShapePlan:
                 found.setdefault(choice.key, (m, choice))
         return found
 
+    def bucket(self, num_tokens: int) -> int | None:
+        """The bucket whose choice ``num_tokens`` gets (None: the plan has none)."""
+        return nearest(num_tokens, self._points) if self._points else None
+
     def lookup(self, num_tokens: int) -> tuple[Choice, int | None]:
         """The choice for ``num_tokens`` (its nearest bucket in the table), and its own bucket
         when the table has no served row for it (``record`` mode tunes those), else None."""
@@ -117,4 +130,9 @@ class ShapePlan:
         """One line: each bucket and what runs there."""
         if not self.choices:
             return "no table rows (vLLM's own kernel)"
-        return ", ".join(f"M={m} {c.label()}" for m, c in self.choices.items())
+        text = ", ".join(f"M={m} {c.label()}" for m, c in self.choices.items())
+        refused = [c for c in self.choices.values() if c.refused]
+        if refused:
+            text += f" ({len(refused)} of {len(self.choices)} rows not served; first: "
+            text += f"{refused[0].reason})"
+        return text

@@ -164,8 +164,7 @@ class PluginState:
                             logger.warning("moetune: table %s: %s; vLLM's own kernel runs for "
                                            "that bucket (counted as fallback)",
                                            dispatcher.path, row)
-                    plan = self._plans[key] = ShapePlan.build(
-                        dispatcher, shape, layout, dispatcher.faults(shape))
+                    plan = self._plans[key] = ShapePlan.build(dispatcher, shape, layout)
         return plan
 
     # --- counting and recording --------------------------------------------------------------

@@ -257,8 +257,8 @@ def test_show_and_lookup_say_why_a_row_is_not_served_here(tmp_path):
                for r in reasons())
     looked = invoke("lookup", "--table", path, "--preset", "mixtral-8x7b", "--num-tokens", 64,
                     "--device", "cpu").output
-    assert "source:  rule" in looked and "18 rows for this shape are not served here" in looked
-    assert "re-tune this bucket" in looked
+    assert "source:  rule" in looked and "counted: fallback (the table's bucket M=64)" in looked
+    assert "table row stale: tuned against" in looked and "re-tune this bucket" in looked
 
 
 def test_vllms_import_warning_stays_out_of_moetunes_output():
@@ -292,6 +292,32 @@ UNKNOWN_KERNEL = "kernel = 'gone_kernel'"
 NOT_JSON = "params = '{not json'"
 OUT_OF_SPACE = """kernel = 'torch_dense', params = '{"chunk_tokens": 3}'"""
 STALE = """baselines = '{"variants":[]}'"""  # timed against no rule: valid, but not served
+
+
+@pytest.mark.parametrize("edits", [{1: UNKNOWN_KERNEL}, {16: NOT_JSON}, {64: OUT_OF_SPACE},
+                                   {1: STALE}, {1: UNKNOWN_KERNEL, 16: STALE, 64: OUT_OF_SPACE}],
+                         ids=["unknown-kernel", "params-not-json", "params-out-of-space", "stale",
+                              "all-three"])
+def test_lookup_prints_the_plan_the_plugin_builds(tiny_table, tmp_path, edits):
+    """For every num_tokens, lookup names what vLLM's plugin runs and counts, on tables with
+    each kind of faulty row and a stale one (a refused bucket runs vLLM's own kernel; its
+    num_tokens are not sent to a neighbour's winner)."""
+    from moetune.runtime.kernels.base import WeightLayout
+    from moetune.serving.settings import Settings
+    from moetune.serving.state import PluginState
+
+    path = _edited(tiny_table, tmp_path / "t.db", edits)
+    plan = PluginState(Settings(table=path)).plan(preset("tiny").shape, WeightLayout.PLAIN)
+    assert {m for m, c in plan.choices.items() if c.refused} == set(edits)
+    for n in (1, 2, 3, 7, 12, 16, 40, 64, 300):
+        choice, _ = plan.lookup(n)
+        looked = invoke("lookup", "--table", path, "--preset", "tiny", "--num-tokens", n,
+                        "--device", "cpu").output
+        pick = choice.kernel or "vLLM's own kernel"
+        assert f"pick:    {pick}" in looked and f"counted: {choice.outcome.value}" in looked, (
+            n, choice, looked)
+        assert f"why:     {choice.reason}" in looked
+    assert "stale" in plan.summary() if STALE in edits.values() else "faulty" in plan.summary()
 
 
 def _dropped(output, num_tokens, table):

@@ -9,8 +9,8 @@ from typing import Any
 from rich.table import Table
 
 from moetune import db
-from moetune.runtime.dispatcher import (Dispatcher, Selection, default_table, row_verdict,
-                                        shipped_table)
+from moetune.runtime.dispatcher import Dispatcher, default_table, row_verdict, shipped_table
+from moetune.runtime.plan import Outcome, ShapePlan
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
@@ -133,15 +133,29 @@ def _phases(seconds: dict[str, float]) -> str:
     return f"; {seconds['total']:.0f}s ({parts})"
 
 
-def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, s: Selection) -> str:
+def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan) -> str:
+    """What serving runs for ``problem``: read from the plan vLLM's plugin builds for its shape
+    (``ShapePlan.build``), so lookup and the engine cannot disagree."""
+    choice, _ = plan.lookup(problem.num_tokens)
+    bucket = plan.bucket(problem.num_tokens)
+    rule = rule_choice(problem, dispatcher.sku)
+    pick = (f"{choice.kernel} {json.dumps(choice.params) if choice.params else ''}".rstrip()
+            if choice.kernel is not None else f"vLLM's own kernel ({rule.kernel})")
+    why = choice.reason if dispatcher.usable else "table not used here (see above)"
     lines = [f"problem: {problem.describe()}",
              f"table:   {dispatcher.status.path or '-'} ({dispatcher.status.reason})",
-             f"pick:    {s.kernel} {json.dumps(s.params) if s.params else ''}",
-             f"source:  {s.source}", f"why:     {s.reason}"]
-    if s.source == "table":
+             f"pick:    {pick}",
+             f"source:  {'table' if choice.outcome is Outcome.HIT else 'rule'}",
+             f"counted: {choice.outcome.value}"
+             + (f" (the table's bucket M={bucket})" if bucket is not None else ""),
+             f"why:     {why}"]
+    if choice.outcome is Outcome.HIT and bucket is not None:
+        s = dispatcher.select(plan.shape.problem(bucket), plan.layout)
         lines.append(f"tuned:   {s.median_us:.1f}us, {s.speedup:.2f}x over the rule"
                      if s.median_us is not None and s.speedup is not None else
                      f"tuned:   {_num(s.median_us, '.1f', 'us')} (imported: no speedup measured)")
+    if choice.kernel is None:
+        lines.append(f"rule:    {rule.reason}")
     return "\n".join(lines)
 
 
