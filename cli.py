@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
-from moetune.runtime.dispatcher import Dispatcher, default_table
+from moetune.runtime.dispatcher import Dispatcher, default_table, table_sku
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.plan import ShapePlan
 from moetune.runtime.platform import detect_sku
@@ -51,14 +51,24 @@ def lookup(
     preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
     hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
     topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
-    router_weight_on_input: OnInput = None, device: DeviceOpt = Device.auto,
+    router_weight_on_input: OnInput = None,
+    device: Annotated[Device, typer.Option(
+        help="The device to answer for (auto: the GPU if any, else the CPU)")] = Device.auto,
+    sku: Annotated[Optional[str], typer.Option(
+        help="Answer for another device, e.g. nvidia:H200, from its table (--table, else the "
+        "one shipped for it) and vLLM's configs installed here; its versions are not checked",
+        show_default=False)] = None,
 ) -> None:
-    """What the dispatcher would run for one call, and why."""
+    """What serving runs for one MoE call, and why: the plan vLLM's plugin builds."""
     shape, _ = resolve(ShapeOptions(preset, config, tp, ep, hidden, intermediate, experts, topk,
                                     dtype, quant, activation, router_weight_on_input))
     problem = shape.problem(num_tokens)
-    sku = detect_sku(device.value)
-    dispatcher = Dispatcher.load(table or default_table(sku), sku)
+    if sku is not None:
+        target, path = table_sku(sku, table)
+        dispatcher = Dispatcher.load(path, target, check_environment=False)
+    else:
+        target = detect_sku(device.value)
+        dispatcher = Dispatcher.load(table or default_table(target), target)
     plan = ShapePlan.build(dispatcher, problem.shape, WeightLayout.PLAIN)
     out.print(report.lookup_text(problem, dispatcher, plan), highlight=False)
 

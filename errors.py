@@ -5,6 +5,11 @@ class MoetuneError(Exception):
     """Root of every error moetune raises on purpose."""
 
 
+class DeviceError(MoetuneError):
+    """A device that is not here: ``cuda`` on a machine without a GPU, or ``cuda:N`` beyond its
+    GPUs."""
+
+
 class ShapeError(MoetuneError):
     """A shape that cannot be tuned, imported or exported as given: an unknown preset, no shape
     or two, ``--buckets`` that are not token counts, vLLM files without the sizes or dtype

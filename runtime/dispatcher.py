@@ -16,11 +16,12 @@ from pathlib import Path
 from typing import Any
 
 from moetune.db import WinnerReader
-from moetune.errors import MoetuneError
+from moetune.errors import DeviceError, MoetuneError
 from moetune.runtime._table_rows import NO_ROWS, ShapeRows, TableRows
 from moetune.runtime._verdict import RowVerdict, Selection, row_point, row_problem, row_verdict
 from moetune.runtime.kernels.base import WeightLayout
-from moetune.runtime.platform import SKU, environment, environment_mismatches
+from moetune.runtime.platform import (SKU, Vendor, environment, environment_mismatches,
+                                      normalize_device_name)
 from moetune.runtime.problem import MoEProblem, Shape, nearest
 from moetune.runtime.registry import Registry, default_registry
 from moetune.runtime.rules import is_rule_pick, rule_choice
@@ -46,6 +47,32 @@ def adopted_table(sku: SKU) -> Path:
         data = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
         home = Path(data) / "moetune"
     return Path(home) / "tables" / shipped_table(sku).name
+
+
+def table_sku(spec: str, path: str | Path | None = None) -> tuple[SKU, str]:
+    """The SKU ``spec`` (``vendor:name``, e.g. ``nvidia:H200``) as its table records it, and that
+    table (``path``, else the one shipped for it): to answer for a device that is not here.
+
+    Raises:
+        DeviceError: ``spec`` is not ``vendor:name``, or the table has no such SKU.
+        TableError: The table cannot be read.
+    """
+    vendor, _, name = spec.partition(":")
+    try:
+        wanted = SKU(Vendor(vendor.lower()), normalize_device_name(name), "", 0, 0)
+    except ValueError:
+        raise DeviceError(f"--sku {spec}: expected VENDOR:NAME with VENDOR one of "
+                          f"{[v.value for v in Vendor]}, e.g. nvidia:H200") from None
+    table = str(path or shipped_table(wanted))
+    with WinnerReader(table) as reader:
+        skus = reader.skus
+    found = next((s for s in skus if (s["vendor"], s["name"]) == (wanted.vendor.value,
+                                                                    wanted.name)), None)
+    if found is None:
+        have = ", ".join(f"{s['vendor']}:{s['name']}" for s in skus) or "none"
+        raise DeviceError(f"--sku {spec}: table {table} has no rows for it (it has: {have})")
+    return SKU(wanted.vendor, found["name"], found["arch"], found["compute_units"],
+               found["memory_bytes"]), table
 
 
 def default_table(sku: SKU) -> Path | None:

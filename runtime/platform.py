@@ -12,6 +12,8 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from moetune.errors import DeviceError
+
 
 class Vendor(str, enum.Enum):
     CPU = "cpu"
@@ -76,12 +78,22 @@ def normalize_device_name(raw: str) -> str:
 
 
 def detect_sku(device: str = "auto") -> SKU:
-    """The SKU of ``device`` (``cpu``, ``cuda``, ``cuda:1`` or ``auto`` = the GPU if any)."""
+    """The SKU of ``device`` (``cpu``, ``cuda``, ``cuda:1`` or ``auto`` = the GPU if any).
+
+    Raises:
+        DeviceError: ``device`` is a GPU this machine does not have.
+    """
     import torch
 
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda"):
+        index = torch.device(device).index or 0
+        if not torch.cuda.is_available() or index >= torch.cuda.device_count():
+            raise DeviceError(f"device {device}: this machine has "
+                              f"{torch.cuda.device_count() if torch.cuda.is_available() else 'no'}"
+                              " GPU visible to torch; use --device cpu, or ask about a GPU's "
+                              "table from here with lookup --sku VENDOR:NAME")
         props = torch.cuda.get_device_properties(torch.device(device))
         if getattr(torch.version, "hip", None):
             arch = props.gcnArchName.split(":")[0]

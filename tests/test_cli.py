@@ -409,3 +409,22 @@ def test_import_refuses_invalid_rows_and_leaves_the_table_untouched_if_none_is_v
     refused = invoke("import", bad, "--output", target)
     assert refused.exit_code == 1 and "every winner is invalid" in refused.output
     assert target.read_bytes() == before
+
+
+def test_lookup_answers_for_another_gpu_offline_and_refuses_a_missing_one():
+    """``--sku nvidia:H200`` answers from the shipped H200 table and vLLM's configs installed
+    here, without a GPU; ``--device cuda`` where torch sees none is one error line."""
+    import torch
+
+    looked = invoke("lookup", "--sku", "nvidia:H200", "--preset", "mixtral-8x7b",
+                    "--num-tokens", 7)
+    assert looked.exit_code == 0, looked.output
+    assert "nvidia:H200 (sm_90" in looked.output and "source:  table" in looked.output
+    assert "counted: hit (the table's bucket M=8)" in looked.output
+    unknown = invoke("lookup", "--sku", "h200", "--preset", "tiny", "--num-tokens", 7)
+    assert unknown.exit_code == 1 and "expected VENDOR:NAME" in unknown.output
+    if not torch.cuda.is_available():
+        missing = invoke("lookup", "--device", "cuda", "--preset", "tiny", "--num-tokens", 7)
+        assert missing.exit_code == 1, missing.output
+        assert missing.output.startswith("error: device cuda: this machine has no GPU")
+        assert len(missing.output.strip().splitlines()) == 1

@@ -59,7 +59,12 @@ def _params(kernel: type[BaseKernel], problem: MoEProblem, sku: SKU) -> dict[str
     return None
 
 
-@pytest.mark.parametrize("name", default_registry.names())
+#: Under the interpreter only the Triton kernels (``compiles``) become eligible: the others were
+#: held to the contract by the outer pass already.
+NAMES = [n for n in default_registry.names() if not INTERPRETED or default_registry.get(n).compiles]
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_every_registered_kernel_matches_the_reference_or_says_why_not(name, sku):
     kernel = default_registry.get(name)
     reference = default_registry.get("reference")
