@@ -21,6 +21,7 @@ from moetune import db
 from moetune.errors import MoetuneError, ShapeError, TuningError
 from moetune.runtime.platform import SKU, detect_sku
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
+from moetune.runtime.rules import rule_choice
 from moetune.tuner import formats_aiter, formats_io, formats_vllm, report
 from moetune.tuner.inputs import Routing
 from moetune.tuner.bucket import BucketOutcome
@@ -159,6 +160,8 @@ def run_job_with_progress(problems: list[MoEProblem], output: str, sku: SKU,
     """
     shown = db.display_url(output) if db.is_url(output) else output
     out.print(f"tuning {len(problems)} buckets on {sku.label()} -> {shown}")
+    if problems:  # rows are timed against this: serving here uses them while it stays the rule
+        out.print(f"timed against {rule_choice(problems[0], sku).reason}", highlight=False)
     steps = opts.trials + opts.refine  # the local search may stop early
     with Progress(console=err, transient=True) as progress:
         task = progress.add_task("", total=steps)
