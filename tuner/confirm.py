@@ -143,8 +143,9 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     if best:
         reason = f"{verdict.ratio:.2f}x over baseline {evidence}"
     elif contender:
+        ratio = f"{verdict.ratio:.3f}x " if verdict.rounds else ""  # no round: no ratio
         reason = (f"{'near-tie' if verdict.ratio > 1 else 'not faster'}: "
-                  f"{finalists[contender].kernel} {verdict.ratio:.3f}x {evidence}")
+                  f"{finalists[contender].kernel} {ratio}{evidence}")
     else:
         reason = "baseline kept"
     baselines = []
