@@ -17,7 +17,8 @@ from moetune.db import TableSnapshot, WinnerReader
 from moetune.errors import MoetuneError, TableError
 from moetune.runtime._verdict import Selection, row_verdict
 from moetune.runtime.platform import SKU
-from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme, Shape
+from moetune.runtime.problem import (Activation, DType, MoEProblem, QuantScheme, Shape,
+                                     bucket_text)
 from moetune.runtime.registry import Registry
 
 
@@ -173,7 +174,7 @@ def judge(snapshot: TableSnapshot, sku: SKU, registry: Registry,
     faulty: list[str] = []
 
     def fault(bucket: dict[str, Any], problem: MoEProblem | None, reason: str) -> None:
-        line = f"bucket {bucket}: {reason}"
+        line = f"bucket {bucket_text(bucket)}: {reason}"
         faulty.append(line)
         if problem is not None:
             faults.setdefault(problem.shape, {})[problem.num_tokens] = reason
@@ -184,7 +185,7 @@ def judge(snapshot: TableSnapshot, sku: SKU, registry: Registry,
         if verdict.other_sku:
             continue
         if verdict.selection is None:
-            rejected.append(f"bucket {row.bucket}: {verdict.reason}")
+            rejected.append(f"bucket {bucket_text(row.bucket)}: {verdict.reason}")
             if not verdict.stale:
                 fault(row.bucket, verdict.problem, verdict.reason)
             elif verdict.problem is not None:

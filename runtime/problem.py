@@ -163,3 +163,12 @@ def nearest(value: int, sorted_points: tuple[int, ...] | list[int]) -> int:
         return sorted_points[-1]
     below, above = sorted_points[i - 1], sorted_points[i]
     return above if above - value < value - below else below
+
+
+def bucket_text(row: dict[str, Any]) -> str:
+    """A stored bucket as a person reads it, ``M=4 H=64 I=32 E=4 topk=2 ...``
+    (``MoEProblem.describe``); where its columns make no valid problem, ``name=value`` pairs."""
+    try:
+        return MoEProblem.from_row(row).describe()
+    except (InvalidProblemError, ValueError, TypeError, KeyError):
+        return " ".join(f"{k}={v}" for k, v in row.items())

@@ -111,7 +111,8 @@ class PluginState:
         if st.usable and st.faulty_rows:
             raise TableError(
                 f"moetune (MOETUNE_MODE=strict) refuses to start: table {st.path} has "
-                f"{len(st.faulty_rows)} faulty rows: {'; '.join(st.faulty_rows)}. Re-tune or "
+                f"{len(st.faulty_rows)} faulty row{'s' if len(st.faulty_rows) > 1 else ''}: "
+                f"{'; '.join(st.faulty_rows)}. Re-tune or "
                 "re-import those buckets, or set MOETUNE_MODE=lookup (they fall back).")
         if st.usable:
             rejected = f", {len(st.rejected_rows)} rows rejected" if st.rejected_rows else ""
