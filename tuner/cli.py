@@ -277,10 +277,10 @@ def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
                 help="vllm: the device's arch when its name is unknown (sm_90, gfx942)")] = None,
             ) -> None:
     """Bring a moetune table, vLLM tuned-config JSON (file or folder) or aiter tuned_fmoe.csv
-    into ``output`` (merged if it exists); the format is detected. vLLM file names lack the
+    into --output (merged if it exists); the format is detected. vLLM file names lack the
     hidden size and topk: give --hidden and --topk, or --preset (--quant picks per-tensor or
     per-channel for fp8_w8a8 files without a block shape). Rows that would be invalid in a
-    table are skipped with the reason; if none is valid, ``output`` is left untouched."""
+    table are skipped with the reason; if none is valid, the --output file is left untouched."""
     fmt = formats_io.detect(file)
     if fmt is formats_io.Format.VLLM:
         hints = formats_vllm.shape_hints(preset, hidden, topk, dtype, quant, activation,
@@ -325,8 +325,8 @@ def report_(
     ceilings_from: Annotated[Optional[str], typer.Option(
         help="Where --ceilings come from (a benchmark, a data sheet), said on the page")] = None,
     ceilings_for_every_run: Annotated[bool, typer.Option(
-        help="--ceilings also for the runs that measured their own: one floor for rows tuned "
-        "on different days")] = False,
+        "--ceilings-for-every-run", help="--ceilings also for the runs that measured their "
+        "own: one floor for rows tuned on different days")] = False,
 ) -> None:
     """Write an HTML page with figures of a table: speedup over the rule per bucket, time
     against the HBM and compute floors, which kernel family wins where, how the search
