@@ -548,7 +548,8 @@ def test_faulty_rows_warn_once_per_bucket_and_count_as_fallbacks(fake_vllm, faul
     assert state.counts == {"H=64 I=32 E=4 topk=2 float32 none silu":
                             {"hit": 4, "miss": 0, "fallback": 4}}
     (warning,) = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
-    assert "bucket M=4 H=64 I=32 E=4 topk=2 float32 none silu: unknown kernel 'gone_kernel'" in warning
+    assert ("bucket M=4 H=64 I=32 E=4 topk=2 float32 none silu: unknown kernel 'gone_kernel'"
+            in warning)
 
 
 def test_strict_refuses_a_table_with_faulty_rows(fake_vllm, faulty_table):
