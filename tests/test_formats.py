@@ -11,7 +11,9 @@ from typer.testing import CliRunner
 
 from moetune import db
 from moetune.errors import MoetuneError
+from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.kernels.triton_config import SPACE
+from moetune.runtime.plan import ShapePlan
 from moetune.runtime.problem import MoEProblem
 from moetune.tuner import formats_aiter, formats_vllm
 from moetune.cli import app
@@ -326,7 +328,8 @@ def test_imported_vllm_rows_show_no_invented_times(tmp_path):
     problem = MoEProblem(100, 4096, 14336, 8, 2)
     pick = dispatcher.select(problem)
     assert pick.source == "table" and pick.median_us is None  # imported rows still serve
-    assert "imported: no speedup measured" in report.lookup_text(problem, dispatcher, pick)
+    plan = ShapePlan.build(dispatcher, problem.shape, WeightLayout.PLAIN)
+    assert "imported: no speedup measured" in report.lookup_text(problem, dispatcher, plan)
 
 
 # --- invalid rows: the dispatcher's check, with the reason `show` gives --------------------------
