@@ -8,6 +8,11 @@ parsed with ``json.loads`` only; nothing stored in a table is ever executed or u
 import json
 from typing import Any
 
+#: Bounds on stored JSON text: params, baselines and environments are a few hundred bytes, so
+#: anything near these is damage, refused before (length) or while (depth) it is parsed.
+MAX_JSON_CHARS = 1 << 20
+MAX_JSON_DEPTH = 16
+
 
 def dump_json(value: dict[str, Any]) -> str:
     """The canonical JSON text of a dict.
@@ -21,14 +26,51 @@ def dump_json(value: dict[str, Any]) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
-def load_json(text: str) -> dict[str, Any]:
+def load_json(text: object) -> dict[str, Any]:
     """Parse JSON text written by :func:`dump_json`.
 
+    ``text`` may be any value a damaged table holds (NULL, a number, a blob): all are refused.
+
     Raises:
-        ValueError: If ``text`` is not JSON or not a JSON object (``json.JSONDecodeError`` is a
+        ValueError: If ``text`` is not JSON text, longer than ``MAX_JSON_CHARS``, nested deeper
+            than ``MAX_JSON_DEPTH``, or not a JSON object (``json.JSONDecodeError`` is a
             ``ValueError``); readers turn this into a skipped row, never a crash.
     """
-    value = json.loads(text)
+    value = load_json_value(text)
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def load_json_value(text: object) -> Any:
+    """Any JSON value, within the bounds ``load_json`` states.
+
+    Raises:
+        ValueError: As ``load_json``, for anything but the object check.
+    """
+    if not isinstance(text, str):
+        raise ValueError(f"expected JSON text, got {type(text).__name__}")
+    if len(text) > MAX_JSON_CHARS:
+        raise ValueError(f"JSON text of {len(text)} characters, more than {MAX_JSON_CHARS}")
+    try:
+        value = json.loads(text)
+    except RecursionError:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels") from None
+    if _depth(value) > MAX_JSON_DEPTH:
+        raise ValueError(f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+    return value
+
+
+def _depth(value: Any) -> int:
+    """How deeply ``value`` nests lists and objects (a scalar is 0), without recursion."""
+    deepest, level = 0, [(value, 1)]
+    while level:
+        item, depth = level.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(
+            item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                return depth
+            level.extend((c, depth + 1) for c in children)
+    return deepest

@@ -17,6 +17,7 @@ from sqlalchemy.orm import Session
 from moetune.db._files import open_table
 from moetune.db._schema import is_url
 from moetune.db._jsontext import load_json
+from moetune.db._rowcheck import parse_baselines, winner_fault
 from moetune.db._models import (
     BUCKET_COLUMNS,
     SKU_COLUMNS,
@@ -67,10 +68,11 @@ class WinnerRecord:
 _W, _B = WinnerRow.__table__.c, BucketRow.__table__.c
 _S, _R = SkuRow.__table__.c, TuningRun.__table__.c
 _WINNERS = WinnerRow.__table__.join(BucketRow.__table__, _W.bucket_id == _B.id)
-_WINNER_COLUMNS = (*(_W[c] for c in (
-    "id", "kernel", "params", "median_us", "p20_us", "p80_us", "error", "baseline_kernel",
-    "baseline_params", "baseline_us", "speedup", "run_id", "source", "baselines", "sku_id")),
-    _R.environment)
+_WINNER_NAMES = ("id", "kernel", "params", "median_us", "p20_us", "p80_us", "error",
+                 "baseline_kernel", "baseline_params", "baseline_us", "speedup", "run_id",
+                 "source", "baselines", "sku_id", "bucket_id", "environment", "run_ref",
+                 "bucket_ref")
+_WINNER_COLUMNS = (*(_W[c] for c in _WINNER_NAMES[:-3]), _R.environment)
 _BUCKET_COLUMNS = tuple(_B[c] for c in BUCKET_COLUMNS)
 
 
@@ -137,63 +139,86 @@ def read_snapshot(session: Session, path: Path | str, revision: str, header: Tab
     bad_rows = list(header.bad_rows)
     bad_winners: list[tuple[dict[str, Any], dict[str, Any], str]] = []
     rows: list[WinnerRecord] = []
-    parsed: dict[str, dict[str, Any]] = {}
+    parsed: dict[Any, dict[str, Any]] = {}
 
-    def parse(text: str) -> dict[str, Any]:
+    def parse(text: Any) -> dict[str, Any]:
         value = parsed.get(text)
         if value is None:
             value = parsed[text] = load_json(text)
         return dict(value)
 
-    query = select(*_WINNER_COLUMNS, *_BUCKET_COLUMNS) \
-        .select_from(_WINNERS.join(TuningRun.__table__, _W.run_id == _R.id)).where(*where) \
+    # Outer joins: a winner whose SKU, bucket or run is gone is a bad row, not a missing one.
+    query = select(*_WINNER_COLUMNS, _R.id, _B.id, *_BUCKET_COLUMNS) \
+        .select_from(WinnerRow.__table__.outerjoin(BucketRow.__table__, _W.bucket_id == _B.id)
+                     .outerjoin(TuningRun.__table__, _W.run_id == _R.id)).where(*where) \
         .order_by(_W.id)
     for values in session.execute(query):
-        (winner_id, kernel, params_text, median_us, p20_us, p80_us, error, baseline_kernel,
-         baseline_text, baseline_us, speedup, run_id, source, baselines_text, sku_id,
-         environment_text) = values[:len(_WINNER_COLUMNS)]
-        bucket = dict(zip(BUCKET_COLUMNS, values[len(_WINNER_COLUMNS):]))
-        sku = header.skus[sku_id]
-        where_text = f"winner {winner_id} ({kernel}, bucket {bucket})"
-        try:
-            params = parse(params_text)
-            baseline_params = parse(baseline_text)
-        except ValueError as e:
-            why = f"params are not a JSON object: {e}"
-            bad_rows.append(f"{where_text}: {why}")
+        stored = dict(zip(_WINNER_NAMES, values[:len(_WINNER_NAMES)]))
+        bucket = dict(zip(BUCKET_COLUMNS, values[len(_WINNER_NAMES):]))
+        sku = header.skus.get(stored["sku_id"])
+        record, why = _record(stored, sku, bucket, parse)
+        if record is None:
+            sku = sku or _missing_sku(stored["sku_id"])
+            bad_rows.append(f"winner {stored['id']} ({_text(stored['kernel'])}, bucket {bucket})"
+                            f": {why}")
             bad_winners.append((sku, bucket, why))
-            continue
-        try:
-            baselines = _baselines(baselines_text, source, (kernel, params),
-                                   (baseline_kernel, baseline_params), baseline_us)
-        except (ValueError, TypeError, KeyError) as e:
-            why = f"baselines are not a JSON list of objects: {e}"
-            bad_rows.append(f"{where_text}: {why}")
-            bad_winners.append((sku, bucket, why))
-            continue
-        rows.append(WinnerRecord(
-            sku=sku, bucket=bucket, kernel=kernel, params=params, median_us=median_us,
-            p20_us=p20_us, p80_us=p80_us, error=error, baseline_kernel=baseline_kernel,
-            baseline_params=baseline_params, baseline_us=baseline_us, speedup=speedup,
-            run_id=run_id, source=source, baselines=baselines,
-            environment=json_or_none(environment_text, parse),
-        ))
+        else:
+            rows.append(record)
     return TableSnapshot(path, revision, list(header.skus.values()), header.environment, rows,
                          bad_rows, bad_winners)
 
 
-def _baselines(text: str | None, source: str, winner: tuple[str, dict[str, Any]],
-               baseline: tuple[str, dict[str, Any]],
-               baseline_us: float | None) -> tuple[dict[str, Any], ...]:
+def _record(stored: dict[str, Any], sku: dict[str, Any] | None, bucket: dict[str, Any],
+            parse: Callable[[Any], dict[str, Any]]) -> tuple[WinnerRecord | None, str]:
+    """The row as a ``WinnerRecord``, or None and why it cannot be one (``winner_fault``,
+    a dangling reference, JSON that is not what it must be)."""
+    if sku is None:
+        return None, f"its SKU {_text(stored['sku_id'])} does not exist"
+    if stored["bucket_ref"] is None:
+        return None, f"its bucket {_text(stored['bucket_id'])} does not exist"
+    if stored["run_ref"] is None:
+        return None, f"its run {_text(stored['run_id'])} does not exist"
+    fault = winner_fault(stored)
+    if fault is not None:
+        return None, fault
+    try:
+        params, baseline_params = parse(stored["params"]), parse(stored["baseline_params"])
+    except ValueError as e:
+        return None, f"params are not a JSON object: {e}"
+    try:
+        baselines = _baselines(stored, (stored["kernel"], params),
+                               (stored["baseline_kernel"], baseline_params))
+    except ValueError as e:
+        return None, f"baselines are not a JSON list of objects: {e}"
+    return WinnerRecord(
+        sku=sku, bucket=bucket, kernel=stored["kernel"], params=params,
+        median_us=stored["median_us"], p20_us=stored["p20_us"], p80_us=stored["p80_us"],
+        error=stored["error"], baseline_kernel=stored["baseline_kernel"],
+        baseline_params=baseline_params, baseline_us=stored["baseline_us"],
+        speedup=stored["speedup"], run_id=stored["run_id"], source=stored["source"],
+        baselines=baselines, environment=json_or_none(stored["environment"], parse),
+    ), ""
+
+
+def _missing_sku(sku_id: Any) -> dict[str, Any]:
+    """What a winner whose SKU row is gone is listed under: no device matches it."""
+    return {**dict.fromkeys(SKU_COLUMNS), "name": f"missing SKU {_text(sku_id)}"}
+
+
+def _text(value: Any) -> str:
+    """A stored value in a reason, cut to 40 characters (a damaged field may be huge)."""
+    text = str(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _baselines(stored: dict[str, Any], winner: tuple[str, dict[str, Any]],
+               baseline: tuple[str, dict[str, Any]]) -> tuple[dict[str, Any], ...]:
     """The row's baselines; a row from before schema 0003 has its one ``baseline_*``."""
-    if text is not None:
-        variants = load_json(text)["variants"]
-        if not all(isinstance(v, dict) and isinstance(v["params"], dict) for v in variants):
-            raise ValueError("a baseline is not an object with params")
-        return tuple(variants)
-    if source != "measured":
+    if stored["baselines"] is not None:
+        return parse_baselines(stored["baselines"])
+    if stored["source"] != "measured":
         return ()
-    return ({"kernel": baseline[0], "params": baseline[1], "median_us": baseline_us,
+    return ({"kernel": baseline[0], "params": baseline[1], "median_us": stored["baseline_us"],
              "beaten": winner != baseline},)
 
 

@@ -1,0 +1,100 @@
+"""The data-level check of a winner row, applied as it is read, before any command or serving
+sees it.
+
+A table file is data anyone can edit: SQLite stores whatever type a column is given, and a
+hand edit, a bad tool or a damaged disk can leave a time negative, a reference dangling or a
+JSON field nested a million levels deep. ``read_snapshot`` runs every row through
+``winner_fault``; a row it refuses is one of ``TableSnapshot.bad_winners`` with the reason,
+which serving skips (falling back to the rule), ``show`` flags, ``export``, ``merge`` and
+``import`` drop with a line, and ``--strict`` refuses. What only the runtime can judge (the
+bucket as a MoE problem, the kernel and its params' space) is ``runtime._verdict.row_problem``.
+"""
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+from moetune.db._jsontext import load_json
+from moetune.db._models import WINNER_SOURCES
+
+#: ``speedup`` is written as ``baseline_us / median_us``; a stored one further off was edited.
+SPEEDUP_RTOL = 1e-6
+#: Rule variants one row may list (a bucket is timed against a handful).
+MAX_BASELINES = 64
+_VARIANT_TIMES = ("median_us", "p20_us", "p80_us")
+
+
+def winner_fault(row: Mapping[str, Any]) -> str | None:
+    """Why the winner ``row`` (its stored columns by name) cannot be used, or None.
+
+    Checks, in order: the kernel names are non-empty text, ``source`` is one of
+    ``WINNER_SOURCES``, every time is a finite positive number (NULL only where the source has
+    none: vLLM files have no time, imports no baseline time), ``p20_us <= median_us <=
+    p80_us``, ``speedup`` equals ``baseline_us / median_us``, and ``error`` is finite and not
+    negative. References and JSON are checked by the reader (``read_snapshot``).
+    """
+    for name in ("kernel", "baseline_kernel"):
+        if not isinstance(row[name], str) or not row[name]:
+            return f"{name} is not a kernel name: {_short(row[name])}"
+    source = row["source"]
+    if source not in WINNER_SOURCES:
+        return f"source {_short(source)} is not one of {', '.join(WINNER_SOURCES)}"
+    required = {"measured": ("median_us", "p20_us", "p80_us", "baseline_us", "speedup"),
+                "aiter-csv": ("median_us",)}.get(source, ())
+    for name in ("median_us", "p20_us", "p80_us", "baseline_us", "speedup"):
+        value = row[name]
+        if value is None:
+            if name in required:
+                return f"{name} is missing, which a {source} row must have"
+        elif not _positive(value):
+            return f"{name} is {_short(value)}, not a finite positive number"
+    median, p20, p80 = row["median_us"], row["p20_us"], row["p80_us"]
+    if None not in (median, p20, p80) and not p20 <= median <= p80:
+        return f"times out of order: p20 {p20:g}, median {median:g}, p80 {p80:g} us"
+    speedup, baseline = row["speedup"], row["baseline_us"]
+    if speedup is not None and (median is None or baseline is None):
+        return f"speedup {speedup:g} without the times it follows from"
+    if speedup is not None and not math.isclose(speedup, baseline / median, rel_tol=SPEEDUP_RTOL):
+        return (f"speedup {speedup:g} does not follow from the times (baseline {baseline:g} us "
+                f"/ median {median:g} us = {baseline / median:g})")
+    error = row["error"]
+    if error is not None and not (_number(error) and math.isfinite(error) and error >= 0):
+        return f"error is {_short(error)}, not a finite non-negative number"
+    return None
+
+
+def parse_baselines(text: object) -> tuple[dict[str, Any], ...]:
+    """The rule variants of a row's ``baselines`` column, each checked.
+
+    Raises:
+        ValueError: The text is not ``{"variants": [...]}`` (within ``load_json``'s bounds), or
+            a variant lacks a kernel name or params object, or has a time that is not a finite
+            positive number.
+    """
+    variants = load_json(text).get("variants")
+    if not isinstance(variants, list) or len(variants) > MAX_BASELINES:
+        raise ValueError(f"expected a list of at most {MAX_BASELINES} variants")
+    for i, v in enumerate(variants):
+        if not isinstance(v, dict):
+            raise ValueError(f"variant {i} is not an object")
+        if not isinstance(v.get("kernel"), str) or not isinstance(v.get("params"), dict):
+            raise ValueError(f"variant {i} has no kernel name or no params object")
+        for name in _VARIANT_TIMES:
+            if v.get(name) is not None and not _positive(v[name]):
+                raise ValueError(f"variant {i}: {name} is {_short(v[name])}, not a finite "
+                                 "positive number")
+    return tuple(variants)
+
+
+def _number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _positive(value: object) -> bool:
+    return _number(value) and math.isfinite(value) and value > 0  # type: ignore[arg-type]
+
+
+def _short(value: object) -> str:
+    """``value`` as a reason shows it: its repr, cut to 40 characters."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
