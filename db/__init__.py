@@ -28,7 +28,7 @@ from moetune.db._read import (
     read_winners,
 )
 from moetune.db._reader import WinnerReader
-from moetune.db._schema import HEAD_REVISION, alembic_config, is_url, schema_revision
+from moetune.db._schema import HEAD_REVISION, alembic_config, file_path, is_url, schema_revision
 from moetune.db._server import display_url
 from moetune.db._tuning import (
     add_measurement,
@@ -70,6 +70,7 @@ __all__ = [
     "alembic_config",
     "claim_in",
     "export_sqlite",
+    "file_path",
     "find_bucket",
     "find_sku",
     "finish_run",

@@ -13,9 +13,10 @@ from typing import Any
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from moetune.db._files import atomic_table, open_table
+from moetune.db._files import atomic_table, open_table, same_file
 from moetune.db._models import BucketRow, Measurement, SkuRow, TuningRun, WinnerRow
 from moetune.db._tuning import get_or_create_bucket, get_or_create_sku
+from moetune.errors import TableError
 
 _REMAPPED = frozenset({"id", "sku_id", "bucket_id", "run_id"})
 
@@ -77,8 +78,10 @@ def export_sqlite(src: str | Path, dst: str | Path, *, include_measurements: boo
         include_measurements: Also copy every trial (large; needed to resume or audit).
 
     Raises:
-        TableError: If ``src`` cannot be read or ``dst`` cannot be written.
+        TableError: If ``src`` cannot be read or ``dst`` cannot be written or is ``src``.
     """
+    if same_file(src, dst):
+        raise TableError(f"{dst}: not written, it is the table exported")
     with open_table(src) as source_table, source_table.session() as source:
         with atomic_table(dst, start_from_existing=False) as out, out.session() as target:
             ids = copy_provenance(source, target, include_measurements=include_measurements)

@@ -32,6 +32,7 @@ from moetune.db._schema import (
     connect_readonly,
     create_schema,
     error_reason,
+    file_path,
     inspect_file,
     is_url,
     make_engine,
@@ -117,7 +118,7 @@ def open_table(path: str | Path, *, writable: bool = False) -> TableFile:
     if is_url(path):
         engine, shown = open_server_table(str(path), writable=writable)
         return TableFile(shown, engine, HEAD_REVISION, writable=writable)
-    path = Path(path)
+    path = file_path(path)
     try:
         if writable and not path.exists():
             create_schema(path)
@@ -178,7 +179,7 @@ def atomic_table(path: str | Path, *, start_from_existing: bool,
     if is_url(path):
         raise TableError(f"{display_url(str(path))}: exports and merges write a table file, "
                          "not a database")
-    path = Path(path)
+    path = file_path(path)
     directory = path.absolute().parent
     if not directory.is_dir():
         raise TableError(f"{path}: cannot write, directory {directory} does not exist")
@@ -188,9 +189,8 @@ def atomic_table(path: str | Path, *, start_from_existing: bool,
         _remove_leftovers(path)
         existing = path.exists()
         if existing:
-            state = inspect_file(path)  # never replace a file that is not a moetune table
-            if start_from_existing:
-                check_revision(path, state)
+            # Never replace a file that is not a moetune table, nor one of a newer schema.
+            check_revision(path, inspect_file(path))
         try:
             fd, temp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp",
                                              dir=directory)
@@ -210,12 +210,29 @@ def atomic_table(path: str | Path, *, start_from_existing: bool,
                         mark_interrupted(session)
                 yield table
             _fsync(temp)
-            os.chmod(temp, os.stat(path).st_mode & 0o7777 if existing else 0o644)
-            os.replace(temp, path)
+            try:
+                os.chmod(temp, os.stat(path).st_mode & 0o7777 if existing else 0o644)
+                os.replace(temp, path)
+            except OSError as e:  # an immutable or vanished file: it stays as it was
+                raise TableError(f"{path}: cannot replace it ({e.strerror or e}); left as it "
+                                 "was") from e
             _fsync(directory)
         except BaseException:
             temp.unlink(missing_ok=True)
             raise
+
+
+def same_file(a: str | Path, b: str | Path) -> bool:
+    """Whether two targets name one table: the same file (also through a link or a
+    ``sqlite:///`` URL), or the same server URL."""
+    if is_url(a) or is_url(b):
+        return a == b
+    first, second = file_path(a), file_path(b)
+    try:
+        return first.exists() and second.exists() and os.path.samefile(first, second) or \
+            first.absolute() == second.absolute()
+    except OSError:
+        return first.absolute() == second.absolute()
 
 
 def _remove_leftovers(path: Path) -> None:
@@ -279,7 +296,7 @@ def claim_in(path: str | Path, name: str) -> Iterator[bool]:
         TableError: the claim's lock file cannot be made, or the server table cannot be opened.
     """
     if not is_url(path):
-        with bucket_claim(Path(path), name) as mine:
+        with bucket_claim(file_path(path), name) as mine:
             yield mine
         return
     with open_table(path, writable=True) as table, claim(table.engine, name) as mine:

@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from moetune.db._copy import IdMap, copy_provenance, copy_winner
-from moetune.db._files import atomic_table, open_table
+from moetune.db._files import atomic_table, open_table, same_file
 from moetune.db._models import BucketRow, SkuRow, TuningRun, WinnerRow
 from moetune.db._read import WinnerRecord, read_winners
 from moetune.db._schema import is_url
@@ -91,8 +91,12 @@ class _Candidate:
 
 def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
                  check: RowCheck | None, include_measurements: bool = True,
-                 strict: bool = False) -> MergeReport:
-    """Write the union of tables ``a`` and ``b`` to ``out`` (atomically; ``out`` may be ``a``).
+                 strict: bool = False, update_a: bool = False) -> MergeReport:
+    """Write the union of tables ``a`` and ``b`` to ``out`` (atomically).
+
+    ``out`` must not be an input: it is rebuilt from scratch, so what the inputs hold but the
+    output leaves out (invalid rows, measurements without ``include_measurements``) would be
+    gone. Only with ``update_a`` may ``out`` be ``a`` (an import into an existing table).
 
     With ``b`` None, ``a`` alone is copied: what ``export`` and ``import`` write. SKUs, buckets,
     runs and (unless ``include_measurements`` is false) measurements are kept, re-identified
@@ -130,12 +134,19 @@ def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
         check: The row check, ``moetune.runtime.dispatcher.row_problem``; or None.
         include_measurements: Also copy every trial (large; needed to resume or audit).
         strict: Refuse to write anything if a winner is invalid.
+        update_a: ``out`` is ``a``, updated with ``b``'s winners.
 
     Raises:
         TableError: If an input cannot be read or ``out`` cannot be written; or, leaving
-            ``out`` untouched, if a winner is invalid and ``strict``, or every winner is.
+            ``out`` untouched, if it is an input (but ``a`` with ``update_a``), if a winner is
+            invalid and ``strict``, or if every winner is.
     """
     sources = {"a": a} if b is None else {"a": a, "b": b}
+    for side, path in sources.items():
+        if same_file(out, path) and not (update_a and side == "a"):
+            raise TableError(f"{_label(out)}: not written, it is also an input; write to "
+                             "another file, then move it over the input if that is what you "
+                             "want")
     invalid: dict[str, dict[_Key, DroppedRow]] = {}
     valid = 0
     for side, path in sources.items():

@@ -15,7 +15,7 @@ from sqlalchemy import ColumnElement, select
 from sqlalchemy.orm import Session
 
 from moetune.db._files import open_table
-from moetune.db._schema import is_url
+from moetune.db._schema import file_path, is_url
 from moetune.db._jsontext import load_json
 from moetune.db._rowcheck import parse_baselines, winner_fault
 from moetune.db._models import (
@@ -108,7 +108,7 @@ def read_winners(path: str | Path) -> TableSnapshot:
         TableError: If the file is missing, corrupt, not a moetune table, or newer than us.
             Malformed rows do not raise; they are listed in ``bad_rows``.
     """
-    path = path if is_url(path) else Path(path)
+    path = path if is_url(path) else file_path(path)
     with open_table(path) as table, table.session() as session:
         return read_snapshot(session, path, table.revision, read_header(session))
 

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 from moetune.db._files import open_table
 from moetune.db._models import BUCKET_COLUMNS
 from moetune.db._read import _B, _W, _WINNERS, TableSnapshot, read_header, read_snapshot
-from moetune.db._schema import is_url
+from moetune.db._schema import file_path, is_url
 
 #: The bucket key columns but num_tokens: what a MoE layer fixes at load.
 SHAPE_COLUMNS = BUCKET_COLUMNS[1:]
@@ -43,7 +43,7 @@ class WinnerReader:
     """
 
     def __init__(self, path: str | Path) -> None:
-        self.path = path if is_url(path) else Path(path)
+        self.path = path if is_url(path) else file_path(path)
         self._table = open_table(self.path)
         self._pid = os.getpid()
         self._in_memory = not self._table.engine.url.database

@@ -15,8 +15,8 @@ from alembic.config import Config
 from alembic.runtime.migration import MigrationContext
 from alembic.script import ScriptDirectory
 from sqlalchemy import Connection, Engine, create_engine, event, inspect
-from sqlalchemy.engine import URL
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.engine import URL, make_url
+from sqlalchemy.exc import ArgumentError, SQLAlchemyError
 
 from moetune.db._models import Base
 from moetune.errors import TableError
@@ -58,8 +58,33 @@ def connect_readonly(path: Path) -> sqlite3.Connection:
 
 
 def is_url(target: str | Path) -> bool:
-    """Whether ``target`` names a database server (``postgresql+psycopg://...``), not a file."""
-    return isinstance(target, str) and "://" in target
+    """Whether ``target`` names a database server (``postgresql+psycopg://...``), not a file.
+
+    A ``sqlite:///`` URL of a file names that file (``file_path``): it gets the file's locks,
+    bucket claims and atomic replace, as the plain path does.
+    """
+    return isinstance(target, str) and "://" in target and _sqlite_file(target) is None
+
+
+def file_path(target: str | Path) -> Path:
+    """The table file ``target`` names: a path, or a ``sqlite:///`` URL of a file."""
+    if isinstance(target, str):
+        return _sqlite_file(target) or Path(target)
+    return Path(target)
+
+
+def _sqlite_file(target: str) -> Path | None:
+    """The file of a ``sqlite:///PATH`` URL; None for anything else (a server, memory)."""
+    if not target.startswith("sqlite") or "://" not in target:
+        return None
+    try:
+        url = make_url(target)
+    except ArgumentError:
+        return None
+    database = url.database
+    if not database or database == ":memory:" or url.query.get("mode") == "memory":
+        return None
+    return Path(database[len("file:"):] if database.startswith("file:") else database)
 
 
 def make_engine(url: URL | str, *, foreign_keys: bool = True, **kwargs: Any) -> Engine:
@@ -103,7 +128,7 @@ def alembic_config(
     # New migration files are named by their readable revision id alone: 0002_add_roofline.py.
     config.set_main_option("file_template", "%%(rev)s")
     if path is not None:
-        url = str(path) if is_url(path) else sqlite_url(Path(path)).render_as_string(
+        url = str(path) if is_url(path) else sqlite_url(file_path(path)).render_as_string(
             hide_password=False)
         config.set_main_option("sqlalchemy.url", url.replace("%", "%%"))  # configparser escaping
     if connection is not None:
@@ -213,7 +238,7 @@ def schema_revision(path: str | Path) -> str:
     Raises:
         TableError: If the file is missing or not a moetune table.
     """
-    return inspect_file(Path(path)).revision
+    return inspect_file(file_path(path)).revision
 
 
 def error_reason(error: SQLAlchemyError) -> str:

@@ -21,7 +21,7 @@ from moetune.db._files import claim_in, open_table, write_table
 from moetune.db._jsontext import load_json
 from moetune.db._models import BucketRow, MeasurementStatus, RunStatus, SkuRow, TuningRun
 from moetune.db._read import WinnerRecord, json_or_none, read_winners
-from moetune.db._schema import is_url
+from moetune.db._schema import file_path, is_url
 from moetune.db._tuning import (
     add_measurement,
     find_bucket,
@@ -167,7 +167,7 @@ class TableWriter:
             yield s
 
     def _exists(self) -> bool:
-        return is_url(self.target) or Path(self.target).exists()
+        return is_url(self.target) or file_path(self.target).exists()
 
 
 def _set_winner(session: Session, sku: SkuRow, bucket: BucketRow, run: TuningRun,

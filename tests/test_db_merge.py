@@ -244,7 +244,7 @@ def test_merge_drops_unreadable_winners_and_reports_each(tmp_path):
 
 def test_merge_drops_what_the_check_refuses_so_it_never_wins_a_bucket(tmp_path):
     a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
-    tune(a, kernel="gone", median=1.0)  # far faster, but invalid
+    tune(a, kernel="gone", median=1.0, spread=0.5)  # far faster, but invalid
     tune(a, num_tokens=1, kernel="kept")
     tune(b, kernel="valid", median=50.0)
     report = merge_tables(a, b, out, check=_gone)

@@ -196,7 +196,7 @@ def _existing_rows(output: str) -> list[db.WinnerRecord]:
     Raises:
         ShapeError: no such table file (the shape must then be given).
     """
-    if not db.is_url(output) and not Path(output).exists():
+    if not db.is_url(output) and not db.file_path(output).exists():
         raise ShapeError(f"{output}: no such table to re-confirm; give a shape (--preset, "
                          "--config or the sizes) to tune one")
     return db.read_winners(output).rows
@@ -244,7 +244,7 @@ def show(table: Annotated[str, typer.Argument(help="Table file or database URL")
 
 @app.command("export")
 @errors_to_exit
-def export_(table: Annotated[str, typer.Argument(help="Table file or database URL")], output: Annotated[Path, typer.Option("--output", "-o", help=(
+def export_(table: Annotated[str, typer.Argument(help="Table file or database URL")], output: Annotated[str, typer.Option("--output", "-o", help=(
                 "sqlite/aiter: the file to write; vllm: the folder for the JSON files"))],
             format: Annotated[ExportFormat, typer.Option("--format")] = ExportFormat.sqlite,
             with_measurements: Annotated[bool, typer.Option(
@@ -257,9 +257,9 @@ def export_(table: Annotated[str, typer.Argument(help="Table file or database UR
     """Write a table as a self-contained artifact, vLLM config files or aiter's CSV. Invalid
     rows (unknown kernel, params outside its space or not JSON) are skipped with the reason."""
     if format is ExportFormat.vllm:
-        out.print(formats_vllm.export_vllm(table, output, device_name).text(), highlight=False)
+        out.print(formats_vllm.export_vllm(table, Path(output), device_name).text(), highlight=False)
     elif format is ExportFormat.aiter:
-        out.print(formats_aiter.export_aiter(table, output, aiter_base).text(), highlight=False)
+        out.print(formats_aiter.export_aiter(table, Path(output), aiter_base).text(), highlight=False)
     else:
         copied = formats_io.merge_valid(table, None, output,
                                         include_measurements=with_measurements)
@@ -290,7 +290,7 @@ def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
         out.print(formats_aiter.import_aiter(file, output).text(), highlight=False)
     else:
         if output.exists():
-            merged = formats_io.merge_valid(output, file, output)
+            merged = formats_io.merge_valid(output, file, output, update=True)
             lines = [report.merge_text(merged)]
         else:
             merged = formats_io.merge_valid(file, None, output)
@@ -303,7 +303,7 @@ def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
 @errors_to_exit
 def merge(a: Annotated[str, typer.Argument(help="Table file or database URL")],
           b: Annotated[str, typer.Argument(help="Table file or database URL")],
-          output: Annotated[Path, typer.Option("--output", "-o")],
+          output: Annotated[str, typer.Option("--output", "-o", help="Table file to write")],
           strict: Annotated[bool, typer.Option(
               "--strict", help="Refuse to merge (nothing written, exit 1) if a row is "
               "invalid, instead of dropping it")] = False) -> None:

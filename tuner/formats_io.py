@@ -174,21 +174,24 @@ def write_winners(winners: list[ImportedWinner], output: Path, source: str,
     with tempfile.TemporaryDirectory(dir=output.absolute().parent, prefix=".import.") as tmp:
         part = Path(tmp) / "imported.db"
         _write(winners, part, env, command)
-        merged = merge_valid(output, part, output)
+        merged = merge_valid(output, part, output, update=True)
     report.notes += [f"dropped {d}" for d in merged.dropped]
     return merged
 
 
 def merge_valid(a: str | Path, b: str | Path | None, out: str | Path, *,
-                include_measurements: bool = True, strict: bool = False) -> db.MergeReport:
+                include_measurements: bool = True, strict: bool = False,
+                update: bool = False) -> db.MergeReport:
     """``db.merge_tables`` with the dispatcher's row check: invalid winners are dropped (or,
-    ``strict``, refused) with its reason. ``b`` None copies ``a`` alone (export, import).
+    ``strict``, refused) with its reason. ``b`` None copies ``a`` alone (export, import);
+    ``update``: ``out`` is ``a``, updated with ``b`` (import into an existing table).
 
     Raises:
         TableError: see ``db.merge_tables``.
     """
     return db.merge_tables(a, b, out, check=row_problem,
-                           include_measurements=include_measurements, strict=strict)
+                           include_measurements=include_measurements, strict=strict,
+                           update_a=update)
 
 
 def merge_notes(merged: db.MergeReport) -> list[str]:
