@@ -14,7 +14,7 @@ from moetune.db._copy import IdMap, copy_provenance, copy_winner
 from moetune.db._files import atomic_table, open_table, same_file
 from moetune.db._models import BucketRow, SkuRow, TuningRun, WinnerRow
 from moetune.db._read import WinnerRecord, read_winners
-from moetune.db._schema import is_url
+from moetune.db._schema import file_path, is_url
 from moetune.db._server import display_url
 from moetune.errors import TableError
 
@@ -182,7 +182,7 @@ def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
                 chosen = first or second
             counts[chosen.side] += 1
             copy_winner(target, chosen.winner, chosen.ids)
-    return MergeReport(Path(out), counts["a"] + counts["b"], counts["a"], counts["b"],
+    return MergeReport(file_path(out), counts["a"] + counts["b"], counts["a"], counts["b"],
                        conflicts, dropped)
 
 

@@ -3,6 +3,7 @@ ones): thin commands over the library; errors become one line + exit 1."""
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import functools
 import json
@@ -10,12 +11,15 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional, TypeVar
+from collections.abc import Iterator
+from typing import Annotated, Any, Callable, NoReturn, Optional, TypeVar
 
 import typer
+from typer.core import TyperGroup
 import optuna
 from rich.console import Console
 from rich.progress import Progress
+from rich.text import Text
 
 from moetune import db
 from moetune.errors import MoetuneError, ShapeError, TuningError
@@ -35,8 +39,45 @@ from moetune.tuner.shapes import (ShapeOptions, parse_buckets, problems_from_mis
 if "VLLM_LOGGING_LEVEL" not in os.environ:
     logging.getLogger("vllm").setLevel(logging.ERROR)
 
+class _OneLineErrors(TyperGroup):
+    """Usage errors (a value out of range, an unknown choice or option) are user errors like
+    moetune's own: one ``error:`` line on stderr and exit 1, not click's box and exit 2.
+
+    They are raised while parsing the app's arguments (``make_context``) or a command's, which
+    the app does inside ``invoke``; a bare ``moetune`` still prints the help.
+    """
+
+    def make_context(self, *args: Any, **kwargs: Any) -> typer.Context:
+        with _usage_errors():
+            return super().make_context(*args, **kwargs)
+
+    def invoke(self, ctx: typer.Context) -> Any:
+        with _usage_errors():
+            return super().invoke(ctx)
+
+
+#: click's ``UsageError``, from the click typer runs on (typer 0.29 vendors its own).
+_UsageError: type[Any] = typer.BadParameter.__mro__[1]
+
+
+@contextlib.contextmanager
+def _usage_errors() -> Iterator[None]:
+    try:
+        yield
+    except _UsageError as e:
+        if type(e).__name__ == "NoArgsIsHelpError":  # a bare command: its help, as typer does
+            raise
+        _fail(e.format_message())
+
+
+def _fail(message: str) -> NoReturn:
+    """The one way a command fails: ``error: message`` on stderr, exit code 1."""
+    err.print(Text.assemble(("error:", "red"), f" {message}"), highlight=False, soft_wrap=True)
+    raise typer.Exit(code=1) from None
+
+
 app = typer.Typer(help="Measured, per-GPU dispatch tables for Mixture-of-Experts kernels.",
-                  no_args_is_help=True, pretty_exceptions_enable=False)
+                  no_args_is_help=True, pretty_exceptions_enable=False, cls=_OneLineErrors)
 # Piped output (files, CI logs) gets wide lines instead of wrapped table cells.
 out = Console(width=None if sys.stdout.isatty() else 200)
 err = Console(stderr=True)
@@ -52,8 +93,7 @@ def errors_to_exit(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except MoetuneError as e:
-            err.print(f"[red]error:[/red] {e}", highlight=False, soft_wrap=True)
-            raise typer.Exit(code=1) from None
+            _fail(str(e))
 
     return wrapper  # type: ignore[return-value]
 
