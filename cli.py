@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from moetune.db import open_table
 from moetune.runtime.dispatcher import Dispatcher, default_table, table_sku
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.plan import ShapePlan
@@ -68,6 +69,8 @@ def lookup(
         dispatcher = Dispatcher.load(path, target, check_environment=False)
     else:
         target = detect_sku(device.value)
+        if table is not None:  # one named but unreadable is an error; serving would fall back
+            open_table(table).close()
         dispatcher = Dispatcher.load(table or default_table(target), target)
     plan = ShapePlan.build(dispatcher, problem.shape, WeightLayout.PLAIN)
     out.print(report.lookup_text(problem, dispatcher, plan), highlight=False)

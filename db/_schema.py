@@ -67,10 +67,17 @@ def is_url(target: str | Path) -> bool:
 
 
 def file_path(target: str | Path) -> Path:
-    """The table file ``target`` names: a path, or a ``sqlite:///`` URL of a file."""
-    if isinstance(target, str):
-        return _sqlite_file(target) or Path(target)
-    return Path(target)
+    """The table file ``target`` names: a path, or a ``sqlite:///`` URL of a file.
+
+    Raises:
+        TableError: The name is not valid UTF-8, which SQLite's file names must be.
+    """
+    path = (_sqlite_file(target) or Path(target)) if isinstance(target, str) else Path(target)
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        raise TableError(f"{ascii(str(path))}: a table file's name must be valid UTF-8") from None
+    return path
 
 
 def _sqlite_file(target: str) -> Path | None:

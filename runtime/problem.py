@@ -53,6 +53,11 @@ def parse_enum(kind: type[enum.Enum], value: str) -> Any:
     raise InvalidProblemError(f"unknown {kind.__name__} {value!r}; expected one of: {valid}")
 
 
+#: The largest size of any dimension: sizes are stored as 64-bit integers and multiplied into
+#: element counts, and no MoE layer comes near 2^31 along one dimension.
+MAX_SIZE = 2**31 - 1
+
+
 @dataclasses.dataclass(frozen=True)
 class MoEProblem:
     """Everything about one MoE call that changes which kernel is valid or fastest.
@@ -76,8 +81,9 @@ class MoEProblem:
     def __post_init__(self) -> None:
         for name in ("num_tokens", "hidden_size", "intermediate_size", "num_experts", "topk"):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise InvalidProblemError(f"{name} must be a positive integer, got {value!r}")
+            if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= MAX_SIZE:
+                raise InvalidProblemError(f"{name} must be an integer from 1 to {MAX_SIZE}, "
+                                          f"got {value!r}")
         if self.topk > self.num_experts:
             raise InvalidProblemError(
                 f"topk ({self.topk}) cannot exceed num_experts ({self.num_experts})"

@@ -127,7 +127,7 @@ def test_export_import_and_merge(tiny_table, tmp_path):
 @pytest.mark.parametrize("args,message", [
     (["tune", "--preset", "nope", "--output", "{tmp}/x.db"], "unknown preset"),
     (["tune", "--hidden", "0", "--intermediate", "8", "--experts", "4", "--topk", "2",
-      "--output", "{tmp}/x.db"], "hidden_size must be a positive integer"),
+      "--output", "{tmp}/x.db"], "hidden_size must be an integer from 1 to"),
     (["tune", "--preset", "tiny", "--topk", "9", "--output", "{tmp}/x.db"], "topk (9) cannot"),
     (["tune", "--preset", "tiny", "--device", "cpu", "--buckets", "1", "--output",
       "/proc/nope/x.db"], "/proc/nope"),

@@ -144,7 +144,8 @@ def tune(
         min=0, help="Evaluations of the local search from the best after the trials (one-step "
         "moves of one parameter while they gain; 0: none)")] = REFINE,
     routing: Annotated[Routing, typer.Option(help="Expert load distribution")] = Routing.UNIFORM,
-    seed: Annotated[int, typer.Option(help="Seed for inputs and the sampler")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**32 - 1,
+                                      help="Seed for inputs and the sampler")] = 0,
     reps: Annotated[int, typer.Option(min=2, help="Timed repetitions per measurement")] = 20,
     isolate: Annotated[Optional[bool], typer.Option(
         "--isolate/--no-isolate", help="Measure in a restartable worker process "

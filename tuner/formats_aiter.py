@@ -177,7 +177,8 @@ def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatR
 
     Raises:
         TableError: ``table`` cannot be read.
-        FormatError: no base CSV, or ``output`` cannot be written.
+        FormatError: no base CSV, no row to write (nothing is written), or ``output`` cannot
+            be written.
     """
     base = base or installed_csv()
     if base is None:
@@ -210,6 +211,8 @@ def export_aiter(table: Path, output: Path, base: Path | None = None) -> FormatR
         rows.append({**known, "block_m": str(pick.block_m), "us": us,
                      "us1": "", "err1": "", "us2": "", "err2": "", "tflops": "", "bw": ""})
         written.append(pick.row)
+    if not rows:
+        raise FormatError(f"{table}: nothing to export, no file written\n{report.text()}")
     _write_csv(Path(output), rows)
     report.written = len(rows)
     report.notes.append(f"kernel names, ksplit and run_1stage from {base}; us is moetune's "

@@ -109,7 +109,8 @@ def export_vllm(table: Path, folder: Path, device_name: str | None = None) -> Fo
 
     Raises:
         TableError: ``table`` cannot be read.
-        FormatError: ``folder`` cannot be written.
+        FormatError: no winner is a Triton config (nothing is written), or ``folder`` cannot
+            be written.
     """
     snapshot = db.read_winners(table)
     device_name = device_name and re.sub(r"[\s/]+", "_", device_name.strip())
@@ -163,6 +164,8 @@ def export_vllm(table: Path, folder: Path, device_name: str | None = None) -> Fo
             "one config for both GEMMs")
     report.notes += [f"device name {d} derived from the SKU name; check it against vLLM's "
                      "(or pass --device-name)" for d in sorted(guessed)]
+    if not report.written:
+        raise FormatError(f"{table}: nothing to export, no file written\n{report.text()}")
     stale = stale_note(written)
     if stale:
         report.notes.append(stale)
@@ -268,7 +271,7 @@ def _load_configs(path: Path) -> tuple[str | None, dict[str, dict[str, Any]]]:
     """(triton_version, {token count: config}) of a file, checked to be a vLLM config."""
     try:
         data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deeply
         raise FormatError(f"{path}: not a vLLM tuned config: cannot read JSON ({e})") from None
     entries = {k: v for k, v in data.items() if k != "triton_version"} if isinstance(
         data, dict) else {}
@@ -276,7 +279,7 @@ def _load_configs(path: Path) -> tuple[str | None, dict[str, dict[str, Any]]]:
         raise FormatError(f"{path}: not a vLLM tuned config: expected a JSON object mapping "
                           "token counts to Triton configs")
     for key, config in entries.items():
-        if not (key.isdigit() and int(key) > 0 and isinstance(config, dict)
+        if not (key.isascii() and key.isdigit() and int(key) > 0 and isinstance(config, dict)
                 and all(isinstance(config.get(n), int) for n in SPACE)):
             raise FormatError(f"{path}: not a vLLM tuned config: entry {key!r} must map a token "
                               f"count to a config with integer {', '.join(SPACE)}")

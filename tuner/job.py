@@ -18,7 +18,11 @@ import sys
 from pathlib import Path
 from typing import Callable, Iterable
 
+import optuna
+from sqlalchemy.exc import SQLAlchemyError
+
 from moetune import db
+from moetune.errors import TuningError
 from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
@@ -98,6 +102,22 @@ def _command_line() -> str:
     return " ".join(db.display_url(a) if db.is_url(a) else a for a in sys.argv)
 
 
+def _check_storage(url: str | None) -> None:
+    """Open the Optuna storage once before the job records its run, so a bad URL is one
+    error line, not a failure in every bucket.
+
+    Raises:
+        TuningError: Optuna cannot open ``url``.
+    """
+    if url is None:
+        return
+    try:
+        optuna.storages.get_storage(url)
+    except (SQLAlchemyError, ValueError, ImportError, OSError) as e:
+        raise TuningError(f"--optuna-storage {url}: cannot open it ({str(e).splitlines()[0]})"
+                          ) from None
+
+
 def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: JobOptions, *,
             registry: Registry = default_registry,
             on_bucket: Callable[[BucketOutcome], None] | None = None,
@@ -112,6 +132,7 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
     any bucket failed. The run records the device's ceilings, ``measure_ceilings(first
     device)`` (measured on CUDA, none on the CPU).
     """
+    _check_storage(opts.optuna_storage)
     ceilings = _ceilings(measure_ceilings, opts.lanes[0])
     writer = db.TableWriter(output)
     run_id = writer.start_run(sku.to_row(), environment=environment(), command=_command_line(),

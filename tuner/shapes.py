@@ -11,8 +11,8 @@ from moetune import db
 from moetune.errors import FormatError, ShapeError
 from moetune.runtime.dispatcher import row_verdict
 from moetune.runtime.platform import SKU
-from moetune.runtime.problem import (DEFAULT_BUCKETS, Activation, DType, MoEProblem, QuantScheme,
-                                     Shape, parse_enum)
+from moetune.runtime.problem import (DEFAULT_BUCKETS, MAX_SIZE, Activation, DType, MoEProblem,
+                                     QuantScheme, Shape, parse_enum)
 from moetune.tuner.presets import preset, shape_from_config
 
 
@@ -42,6 +42,12 @@ def resolve(opts: ShapeOptions) -> tuple[Shape, tuple[int, ...]]:
     """
     if opts.preset and opts.config:
         raise ShapeError("give either --preset or --config, not both")
+    if opts.tp < 1 or opts.ep < 1:
+        raise ShapeError(f"--tp and --ep must be positive, got --tp {opts.tp} --ep {opts.ep}")
+    if (opts.tp, opts.ep) != (1, 1) and not opts.config:
+        raise ShapeError("--tp and --ep shard a --config model; a preset's and explicit sizes "
+                         "are per partition already: drop --tp/--ep, or give --intermediate "
+                         "and --experts for one partition")
     buckets = DEFAULT_BUCKETS
     if opts.preset:
         p = preset(opts.preset)
@@ -78,8 +84,8 @@ def parse_buckets(text: str | None, default: tuple[int, ...]) -> tuple[int, ...]
         values = sorted({int(v) for v in text.split(",") if v.strip()})
     except ValueError:
         raise ShapeError(f"--buckets must be comma-separated integers, got {text!r}") from None
-    if not values or values[0] < 1:
-        raise ShapeError(f"--buckets must be positive integers, got {text!r}")
+    if not values or values[0] < 1 or values[-1] > MAX_SIZE:
+        raise ShapeError(f"--buckets must be integers from 1 to {MAX_SIZE}, got {text!r}")
     return tuple(values)
 
 
@@ -91,7 +97,7 @@ def problems_from_misses(path: Path) -> list[MoEProblem]:
     """
     try:
         lines = Path(path).read_text().splitlines()
-    except OSError as e:
+    except (OSError, UnicodeDecodeError) as e:
         raise FormatError(f"{path}: cannot read misses file ({e})") from None
     problems: dict[MoEProblem, None] = {}
     for n, line in enumerate(lines, 1):
