@@ -68,13 +68,20 @@ class TableFile:
         the rows it created, e.g. the ``TuningRun`` it finishes later in another session.
 
         Raises:
-            TableError: For any database error, naming the file.
+            TableError: For any database error, or a stored value of the wrong type, naming
+                the file.
         """
         try:
             with Session(self.engine, expire_on_commit=False) as session, session.begin():
                 yield session
         except SQLAlchemyError as e:
             raise TableError(f"{self.path}: {error_reason(e)}") from e
+        except (ValueError, TypeError, LookupError, OverflowError) as e:
+            # A stored value SQLAlchemy cannot turn into its column's type (a date that is not
+            # one, an enum value this moetune does not know, an integer past 64 bits): the
+            # file was edited or damaged.
+            raise TableError(f"{self.path}: a stored value is not of its column's type ({e})"
+                             ) from e
 
     def close(self) -> None:
         """Release every pooled connection to the file."""

@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from moetune.db._files import open_table
 from moetune.db._schema import file_path, is_url
 from moetune.db._jsontext import load_json
-from moetune.db._rowcheck import parse_baselines, winner_fault
+from moetune.db._rowcheck import bucket_fault, parse_baselines, winner_fault
 from moetune.db._models import (
     BUCKET_COLUMNS,
     SKU_COLUMNS,
@@ -178,7 +178,7 @@ def _record(stored: dict[str, Any], sku: dict[str, Any] | None, bucket: dict[str
         return None, f"its bucket {_text(stored['bucket_id'])} does not exist"
     if stored["run_ref"] is None:
         return None, f"its run {_text(stored['run_id'])} does not exist"
-    fault = winner_fault(stored)
+    fault = bucket_fault(bucket) or winner_fault(stored)
     if fault is not None:
         return None, fault
     try:

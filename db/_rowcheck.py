@@ -22,6 +22,8 @@ SPEEDUP_RTOL = 1e-6
 #: Rule variants one row may list (a bucket is timed against a handful).
 MAX_BASELINES = 64
 _VARIANT_TIMES = ("median_us", "p20_us", "p80_us")
+_BUCKET_TEXT = frozenset({"dtype", "quant", "activation"})
+_BUCKET_FLAGS = frozenset({"gated", "router_weight_on_input"})
 
 
 def winner_fault(row: Mapping[str, Any]) -> str | None:
@@ -60,6 +62,17 @@ def winner_fault(row: Mapping[str, Any]) -> str | None:
     error = row["error"]
     if error is not None and not (_number(error) and math.isfinite(error) and error >= 0):
         return f"error is {_short(error)}, not a finite non-negative number"
+    return None
+
+
+def bucket_fault(bucket: Mapping[str, Any]) -> str | None:
+    """Why a winner's bucket columns are not even of their types (sizes integers, dtype,
+    quant and activation text), or None. Whether they describe a MoE problem is the
+    runtime's question (``MoEProblem.from_row``)."""
+    for name, value in bucket.items():
+        kind = str if name in _BUCKET_TEXT else bool if name in _BUCKET_FLAGS else int
+        if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+            return f"bucket column {name} is {_short(value)}, not {kind.__name__}"
     return None
 
 
