@@ -77,9 +77,11 @@ class TableFile:
         except SQLAlchemyError as e:
             raise TableError(f"{self.path}: {error_reason(e)}") from e
         except (ValueError, TypeError, LookupError, OverflowError) as e:
-            # A stored value SQLAlchemy cannot turn into its column's type (a date that is not
-            # one, an enum value this moetune does not know, an integer past 64 bits): the
-            # file was edited or damaged.
+            # Reading, only a stored value SQLAlchemy cannot turn into its column's type (a
+            # date that is not one, an unknown enum value) raises these; writing, an integer
+            # copied from such a file overflows. Either way the file was edited or damaged.
+            if self.writable and not isinstance(e, OverflowError):
+                raise  # a writer's own check (``set_winner``) refusing its arguments
             raise TableError(f"{self.path}: a stored value is not of its column's type ({e})"
                              ) from e
 

@@ -204,9 +204,11 @@ def _invalid_winners(path: str | Path, check: RowCheck | None) -> tuple[
 
 
 def _order(row: DroppedRow) -> tuple[Any, ...]:
-    """SKU, then shape, then num_tokens: how a report lists rows."""
+    """SKU, then shape, then num_tokens: how a report lists rows (a damaged row's values may
+    be of any type, or None: each sorts after its type's name)."""
     shape = (v for k, v in row.bucket.items() if k != "num_tokens")
-    return row.sku["name"], *shape, row.bucket["num_tokens"]
+    return tuple((type(v).__name__, v if v is not None else 0)
+                 for v in (row.sku["name"], *shape, row.bucket["num_tokens"]))
 
 
 def _key(sku: dict[str, Any], bucket: dict[str, Any]) -> _Key:

@@ -147,10 +147,10 @@ def test_merge_spread_must_contain_both_medians(tmp_path):
 def test_merge_into_its_first_input_is_atomic_and_idempotent(tmp_path, table):
     other = tmp_path / "other.db"
     tune(other, num_tokens=2)
-    report = merge_tables(table, other, table, check=None)
+    report = merge_tables(table, other, table, check=None, update_a=True)
     assert (report.rows, report.from_a, report.from_b) == (4, 3, 1)
     assert _count(table, TuningRun) == 4 and _count(table, Measurement) == 8
-    again = merge_tables(table, other, table, check=None)  # nothing new: no duplicate runs or trials
+    again = merge_tables(table, other, table, check=None, update_a=True)  # nothing new: no duplicate runs or trials
     assert (again.rows, again.conflicts) == (4, [])
     assert _count(table, TuningRun) == 4 and _count(table, Measurement) == 8
     assert files_in(tmp_path) == ["other.db", "src.db"]
@@ -161,7 +161,7 @@ def test_merge_of_a_bad_input_leaves_out_untouched(tmp_path, table):
     bad.write_bytes(b"garbage")
     before = table.read_bytes()
     with pytest.raises(TableError, match="bad.db: not a moetune table"):
-        merge_tables(table, bad, table, check=None)
+        merge_tables(table, bad, table, check=None, update_a=True)
     assert table.read_bytes() == before
 
 
@@ -263,12 +263,12 @@ def test_strict_merge_and_a_merge_of_only_invalid_rows_write_nothing(tmp_path, t
     before = table.read_bytes()
     with pytest.raises(TableError, match="not written, invalid winners:\n  H200 num_tokens=2 "
                                          ".* from .*other.db: unknown kernel 'gone'"):
-        merge_tables(table, other, table, check=_gone, strict=True)
+        merge_tables(table, other, table, check=_gone, strict=True, update_a=True)
     assert table.read_bytes() == before
     with pytest.raises(TableError, match="not written, every winner is invalid"):
         merge_tables(other, None, tmp_path / "out.db", check=_gone)
     assert files_in(tmp_path) == ["other.db", "src.db"]
-    assert merge_tables(table, other, table, check=_gone).rows == 3  # not strict: dropped
+    assert merge_tables(table, other, table, check=_gone, update_a=True).rows == 3  # not strict: dropped
 
 
 @pytest.mark.parametrize("with_measurements", [False, True])
