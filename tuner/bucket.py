@@ -22,9 +22,10 @@ from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import SKU, environment, environment_mismatches
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry
+from moetune.runtime.rules import rule_choice
 from moetune.tuner.confirm import Decision, confirm
 from moetune.tuner.inputs import Routing
-from moetune.tuner.measure import Key, Measurer, Result
+from moetune.tuner.measure import Key, Measurer, Result, Status
 from moetune.tuner.procs.compile_pool import CompilePool
 from moetune.tuner.procs.measurer import IsolatedMeasurer
 from moetune.tuner.search import REFINE, TRIALS, remeasure, search
@@ -147,7 +148,8 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                              refine=opts.refine, seed=opts.seed, known=known, starts=neighbours,
                              storage=opts.optuna_storage, compiler=pool, progress=on_trial)
         confirming = time.perf_counter()
-        decision = confirm(problem, sku, measurer, results)
+        decision = confirm(problem, sku, measurer, results,
+                           reference_us=_quiet_reference(rows, known, sku, problem))
     except (TuningError, RuntimeError) as e:  # RuntimeError: torch's, measuring in-process
         return BucketOutcome(problem, None, 0, len(known), str(e), device=lane.device)
     fresh = [r for k, r in results.items() if k not in known]
@@ -165,6 +167,23 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                           winner, found_by=measured_by.get((w.kernel, params_key(w.params))))
     return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds,
                          device=lane.device, reconfirmed=again[0] if again else None)
+
+
+def _quiet_reference(rows: Iterable[db.WinnerRecord], known: dict[Key, Result], sku: SKU,
+                     problem: MoEProblem) -> float | None:
+    """The fastest time the table has recorded for today's rule's pick in ``problem``'s
+    bucket on ``sku``: as a baseline of its winner row, or as a trial of an earlier run (in
+    ``known``); None without history. ``confirm`` refuses a winner over a rule's pick far
+    slower than this (``SUSTAINED``)."""
+    rule = rule_choice(problem, sku)
+    key = (rule.kernel, params_key(rule.params))
+    times = [r.median_us for k, r in known.items() if k == key and r.status is Status.OK]
+    here, bucket = (sku.vendor.value, sku.name, sku.arch), problem.to_row()
+    for row in rows:
+        if (row.sku["vendor"], row.sku["name"], row.sku["arch"]) == here and row.bucket == bucket:
+            times += [b["median_us"] for b in row.baselines if b.get("median_us")
+                      and (b["kernel"], params_key(b["params"])) == key]
+    return min(times, default=None)
 
 
 def _table_winner(rows: Iterable[db.WinnerRecord], sku: SKU, problem: MoEProblem,

@@ -28,6 +28,11 @@ FUTILE_ALPHA = 0.2
 #: A re-timing this many times its kernel's fastest round is disturbed (another process on the
 #: core, a busy host) and left out with its round; ordinary jitter stays far below.
 DISTURBED = 1.3
+#: The rule's pick at its fastest in this bucket's search and confirmation this many times its
+#: quiet reference (its fastest time in the table's history) is slowed by load that lasts: on a
+#: busy host one kernel (a loop of many small ops) can run 1000x slower in every round alike,
+#: so the rounds agree and no round looks disturbed. No winner is published then.
+SUSTAINED = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +90,7 @@ class Decision:
 
 def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results: dict[Key, Result], *,
             top: int = 3, rounds: int = 5, reps: int = 10,
-            max_rounds: int | None = None) -> Decision:
+            max_rounds: int | None = None, reference_us: float | None = None) -> Decision:
     """Re-time the rule variants and the best ``top`` candidates interleaved, and decide.
 
     Each round re-times its finalists once, in alternating order, so a speedup is taken within
@@ -103,6 +108,11 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     been timed; then the rule's pick is kept: a near-tie is noise, and the rule needs no table
     row to be right.
     Every variant is recorded with the winner's ratio interval over it.
+
+    ``reference_us`` is the rule's pick's quiet time from before (the fastest the table has
+    recorded for it in this bucket). If its fastest time here is over ``SUSTAINED`` times that,
+    load slowed it in every round alike, which no comparison within a round can see: the
+    rule's pick is kept (re-tune on a quiet host), and the reason says so.
 
     Raises:
         TuningError: the rule's pick failed or was wrong (nothing trustworthy to compare to).
@@ -140,7 +150,14 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     verdict = timed.interval(contender, 0, ALPHA)
     best = contender if verdict.above(1 + MARGIN) else 0
     evidence = f"({verdict.text()})"
-    if best:
+    slowed = timed.fastest(0) / reference_us if reference_us else 1.0
+    if best and slowed > SUSTAINED:
+        best = 0
+        reason = (f"sustained load: {bases[0].kernel} ran {slowed:.1f}x its quiet "
+                  f"{reference_us:.1f}us in every round, so {finalists[contender].kernel}'s "
+                  f"{verdict.ratio:.2f}x {evidence} is not evidence; kept the rule, re-tune on "
+                  "a quiet host")
+    elif best:
         reason = f"{verdict.ratio:.2f}x over baseline {evidence}"
     elif contender:
         ratio = f"{verdict.ratio:.3f}x " if verdict.rounds else ""  # no round: no ratio
