@@ -295,3 +295,45 @@ def test_intervals_print_bounded_with_their_round_count(lo, hi, rounds, text):
     assert interval_text(lo, hi, rounds) == text
     bounds = readable_bounds(lo, hi, rounds)
     assert bounds is None or (bounds == (lo, hi) and bounds[1] <= 10 * bounds[0] < 1e6)
+
+
+class SlowedTimer(FakeTimer):
+    """Load that hits the rule's pick alone, ``factor`` times slower in every re-timing."""
+
+    def __init__(self, factor: float, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.factor = factor
+
+    def retime(self, kernel: str, params: dict, reps: int) -> Timing:
+        t = super().retime(kernel, params, reps)
+        if kernel != self.rule:
+            return t
+        return Timing(t.median_us * self.factor, t.p20_us * self.factor,
+                      t.p80_us * self.factor, reps, "fake")
+
+
+@pytest.mark.parametrize("factor", [10.0, 1000.0])
+def test_a_rule_slowed_in_every_round_publishes_no_winner_against_its_quiet_history(
+        small_problem, cpu_sku, factor):
+    """The hostile report's fake winners: the rule's pick 10-1000x slower in the search and in
+    every round alike, so the rounds agree. Its quiet time in the table's history refuses it."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    results = _results(rule, ["candidate0"])
+    results[(rule, "{}")] = Result(rule, {}, Status.OK, Timing(100 * factor, 97 * factor,
+                                                                103 * factor, 1, "x"))
+    timer = SlowedTimer(factor, {rule: 100.0, "candidate0": 100.0}, rule, "jitter", 0)
+    fooled = confirm(small_problem, cpu_sku, timer, dict(results))
+    assert fooled.winner.kernel == "candidate0"  # what happened without a reference
+    timer = SlowedTimer(factor, {rule: 100.0, "candidate0": 100.0}, rule, "jitter", 0)
+    decision = confirm(small_problem, cpu_sku, timer, dict(results), reference_us=100.0)
+    assert decision.winner.kernel == rule and not any(b.beaten for b in decision.baselines)
+    assert decision.reason.startswith(f"sustained load: {rule} ran ")
+    assert "re-tune on a quiet host" in decision.reason
+
+
+def test_a_real_win_on_a_quiet_host_is_kept_with_a_quiet_reference(small_problem, cpu_sku):
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    timer = FakeTimer({rule: 100.0, "candidate0": 50.0}, rule, "jitter", 0)
+    decision = confirm(small_problem, cpu_sku, timer, _results(rule, ["candidate0"]),
+                       reference_us=95.0)
+    assert decision.winner.kernel == "candidate0" and decision.reason.startswith("2.0")
