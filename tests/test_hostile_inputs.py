@@ -139,7 +139,6 @@ def test_a_sqlite_url_of_a_file_gets_the_files_locks_and_claims(tiny_table, tmp_
     assert not db.is_url(url) and db.file_path(url) == table
     result = invoke("export", tiny_table, "--output", url)
     assert result.exit_code == 0, result.output
-    assert (tmp_path / ".t.db.locks" / "publish.lock").exists()
     with db.claim_in(url, "bucket 1") as mine, db.claim_in(table, "bucket 1") as theirs:
         assert mine and not theirs  # the URL and the path hold one claim
     assert db.read_winners(url).rows == db.read_winners(table).rows
