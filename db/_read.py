@@ -68,11 +68,12 @@ class WinnerRecord:
 _W, _B = WinnerRow.__table__.c, BucketRow.__table__.c
 _S, _R = SkuRow.__table__.c, TuningRun.__table__.c
 _WINNERS = WinnerRow.__table__.join(BucketRow.__table__, _W.bucket_id == _B.id)
-_WINNER_NAMES = ("id", "kernel", "params", "median_us", "p20_us", "p80_us", "error",
-                 "baseline_kernel", "baseline_params", "baseline_us", "speedup", "run_id",
-                 "source", "baselines", "sku_id", "bucket_id", "environment", "run_ref",
-                 "bucket_ref")
-_WINNER_COLUMNS = (*(_W[c] for c in _WINNER_NAMES[:-3]), _R.environment)
+_WINNER_FIELDS = ("id", "kernel", "params", "median_us", "p20_us", "p80_us", "error",
+                  "baseline_kernel", "baseline_params", "baseline_us", "speedup", "run_id",
+                  "source", "baselines", "sku_id", "bucket_id")
+# The run's environment, and the ids of the run and bucket found (None where they are gone).
+_WINNER_COLUMNS = (*(_W[c] for c in _WINNER_FIELDS), _R.environment, _R.id, _B.id)
+_WINNER_NAMES = (*_WINNER_FIELDS, "environment", "run_ref", "bucket_ref")
 _BUCKET_COLUMNS = tuple(_B[c] for c in BUCKET_COLUMNS)
 
 
@@ -148,7 +149,7 @@ def read_snapshot(session: Session, path: Path | str, revision: str, header: Tab
         return dict(value)
 
     # Outer joins: a winner whose SKU, bucket or run is gone is a bad row, not a missing one.
-    query = select(*_WINNER_COLUMNS, _R.id, _B.id, *_BUCKET_COLUMNS) \
+    query = select(*_WINNER_COLUMNS, *_BUCKET_COLUMNS) \
         .select_from(WinnerRow.__table__.outerjoin(BucketRow.__table__, _W.bucket_id == _B.id)
                      .outerjoin(TuningRun.__table__, _W.run_id == _R.id)).where(*where) \
         .order_by(_W.id)
