@@ -10,8 +10,8 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Annotated, Any, Callable, NoReturn, Optional, TypeVar
 
 import typer
@@ -38,6 +38,11 @@ from moetune.tuner.shapes import (ShapeOptions, parse_buckets, problems_from_mis
 # CPU backend"), before its own logging is set up; moetune's output is its own.
 if "VLLM_LOGGING_LEVEL" not in os.environ:
     logging.getLogger("vllm").setLevel(logging.ERROR)
+
+# Piped output (files, CI logs) gets wide lines instead of wrapped table cells.
+out = Console(width=None if sys.stdout.isatty() else 200)
+err = Console(stderr=True)
+
 
 class _OneLineErrors(TyperGroup):
     """Usage errors (a value out of range, an unknown choice or option) are user errors like
@@ -78,9 +83,6 @@ def _fail(message: str) -> NoReturn:
 
 app = typer.Typer(help="Measured, per-GPU dispatch tables for Mixture-of-Experts kernels.",
                   no_args_is_help=True, pretty_exceptions_enable=False, cls=_OneLineErrors)
-# Piped output (files, CI logs) gets wide lines instead of wrapped table cells.
-out = Console(width=None if sys.stdout.isatty() else 200)
-err = Console(stderr=True)
 F = TypeVar("F", bound=Callable[..., Any])
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per bucket is ours to print
 
@@ -298,7 +300,8 @@ def export_(table: Annotated[str, typer.Argument(help="Table file or database UR
     """Write a table as a self-contained artifact, vLLM config files or aiter's CSV. Invalid
     rows (unknown kernel, params outside its space or not JSON) are skipped with the reason."""
     if format is ExportFormat.vllm:
-        out.print(formats_vllm.export_vllm(table, Path(output), device_name).text(), highlight=False)
+        out.print(formats_vllm.export_vllm(table, Path(output), device_name).text(),
+                  highlight=False)
     elif format is ExportFormat.aiter:
         out.print(formats_aiter.export_aiter(table, Path(output), aiter_base).text(), highlight=False)
     else:
