@@ -157,11 +157,13 @@ def _count_verdicts(monkeypatch) -> list[Shape]:
 def test_a_shapes_rows_are_read_and_judged_when_it_is_first_asked_for(table, cpu_sku,
                                                                        monkeypatch):
     import moetune.db._read as read_module
+    import moetune.db._rowcheck as rowcheck_module
 
     judged = _count_verdicts(monkeypatch)
     parsed: list[str] = []
-    monkeypatch.setattr(read_module, "load_json",
-                        lambda text: parsed.append(text) or json.loads(text))
+    for module in (read_module, rowcheck_module):  # params and environments; baselines
+        monkeypatch.setattr(module, "load_json",
+                            lambda text, load=module.load_json: parsed.append(text) or load(text))
     d = Dispatcher.load(table, cpu_sku)
     assert judged == [] and len(parsed) == 1 and '"torch"' in parsed[0]  # the environment
     assert d.usable and d.table_rows == 3 * len(SHAPES)
