@@ -337,3 +337,23 @@ def test_a_real_win_on_a_quiet_host_is_kept_with_a_quiet_reference(small_problem
     decision = confirm(small_problem, cpu_sku, timer, _results(rule, ["candidate0"]),
                        reference_us=95.0)
     assert decision.winner.kernel == "candidate0" and decision.reason.startswith("2.0")
+
+
+def test_the_quiet_reference_is_the_rules_fastest_time_in_the_tables_history(tiny_table,
+                                                                              cpu_sku):
+    from moetune import db
+    from moetune.tuner.bucket import _quiet_reference
+    from moetune.tuner.presets import preset
+
+    rows = db.read_winners(tiny_table).rows
+    problem = preset("tiny").shape.problem(16)
+    rule = rule_choice(problem, cpu_sku)
+    key = (rule.kernel, params_key(rule.params))
+    [row] = [r for r in rows if r.bucket["num_tokens"] == 16]
+    recorded = min(b["median_us"] for b in row.baselines
+                   if (b["kernel"], params_key(b["params"])) == key)
+    assert _quiet_reference(rows, {}, cpu_sku, problem) == recorded
+    faster = Result(rule.kernel, rule.params, Status.OK, Timing(recorded / 2, 1, 1, 1, "x"))
+    assert _quiet_reference(rows, {key: faster}, cpu_sku, problem) == recorded / 2
+    assert _quiet_reference(rows, {}, cpu_sku, preset("tiny").shape.problem(2)) is None
+    assert _quiet_reference([], {}, cpu_sku, problem) is None

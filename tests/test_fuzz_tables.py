@@ -186,3 +186,28 @@ def test_import_of_hostile_vllm_and_aiter_files_is_exit_0_or_one_error_line(key,
                 (args, result.output, result.exception)
             if result.exit_code == 1:
                 assert "error: " in result.output
+
+
+ARGUMENT = st.one_of(st.integers(min_value=-(2**70), max_value=2**70).map(str),
+                     st.text(max_size=12).filter(lambda s: not s.startswith("-")),
+                     st.sampled_from(["0", "1", "3", "8", "128", "bfloat16", "fp8_per_tensor",
+                                      "gelu", "²", "1e3", ""]))
+
+
+@settings(FUZZ, max_examples=30)
+@given(values=st.fixed_dictionaries({}, optional={
+    option: ARGUMENT for option in ("--num-tokens", "--hidden", "--intermediate", "--experts",
+                                    "--topk", "--tp", "--ep", "--dtype", "--quant",
+                                    "--activation", "--preset")}))
+def test_random_arguments_are_exit_0_or_one_error_line(values):
+    """``lookup`` takes every shape option tune and import take, and runs no kernel."""
+    args = ["lookup", "--device", "cpu"]
+    for option, value in values.items():
+        args += [option, value]
+    result = runner.invoke(app, args)
+    assert result.exit_code in (0, 1), (args, result.output)
+    assert result.exception is None or isinstance(result.exception, SystemExit), \
+        (args, result.output, result.exception)
+    if result.exit_code == 1:
+        errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
+        assert len(errors) == 1, (args, result.output)
