@@ -32,3 +32,11 @@ def test_enum_options_ignore_case_and_reach_the_command_as_enums():
                                      "FP8_PER_CHANNEL", "--activation", "GELU"])
     assert (ctx.params["dtype"], ctx.params["quant"], ctx.params["activation"]) == (
         DType.BFLOAT16, QuantScheme.FP8_PER_CHANNEL, Activation.GELU)
+
+
+@pytest.mark.parametrize("command", ["tune", "lookup", "export", "import", "report"])
+def test_help_in_a_narrow_terminal_names_every_option_whole(command):
+    shown = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"}).output
+    assert "…" not in shown and "`" not in shown
+    if command in ("tune", "lookup"):
+        assert "--router-weight-on-input / --router-weight-on-output" in shown

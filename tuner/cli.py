@@ -82,7 +82,9 @@ def _fail(message: str) -> NoReturn:
 
 
 app = typer.Typer(help="Measured, per-GPU dispatch tables for Mixture-of-Experts kernels.",
-                  no_args_is_help=True, pretty_exceptions_enable=False, cls=_OneLineErrors)
+                  no_args_is_help=True, pretty_exceptions_enable=False, cls=_OneLineErrors,
+                  # click's plain help wraps long option names; rich's panels cut them
+                  rich_markup_mode=None)
 F = TypeVar("F", bound=Callable[..., Any])
 optuna.logging.set_verbosity(optuna.logging.WARNING)  # one line per bucket is ours to print
 
