@@ -87,6 +87,26 @@ def test_doctor_reports_device_and_eligibility():
     assert "table:   none shipped for this device" in result.output
 
 
+def test_doctor_says_which_vllm_the_plugin_serves_and_why_fp8_cannot_load(monkeypatch):
+    from moetune.runtime.problem import DType
+    from moetune.runtime.vllm import versions
+    from moetune.runtime.vllm.cpu import fp8_experts_class
+
+    shown = invoke("doctor", "--device", "cpu").output
+    found = versions.installed()
+    if found == "unknown":
+        assert "vllm:    not installed; the plugin serves vLLM 0.32, 0.33, 0.34" in shown
+    else:
+        assert f"vllm:    {found}, supported" in shown
+        _, why = fp8_experts_class(DType.BFLOAT16, "silu", True, False)
+        assert (f"fp8:     vLLM cannot load fp8 MoE checkpoints on this CPU: {why}" in shown
+                if why else "fp8:" not in shown)
+    monkeypatch.setattr(versions, "installed", lambda: "0.35.1")
+    shown = invoke("doctor", "--device", "cpu").output
+    assert "vllm:    vLLM 0.35.1 is outside the versions moetune supports" in shown
+    assert 'pip install "vllm>=0.32,<0.35"' in shown and "the plugin disables itself" in shown
+
+
 def test_doctor_says_whether_the_shipped_table_is_used_here(monkeypatch):
     """Under other versions than the shipped H200 table's, doctor says it is not used, which
     versions differ and how to adopt it; under its own, how many rows it serves."""

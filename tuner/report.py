@@ -11,11 +11,12 @@ from rich.table import Table
 from moetune import db
 from moetune.runtime.dispatcher import Dispatcher, default_table, row_verdict, shipped_table
 from moetune.runtime.plan import Outcome, ShapePlan
-from moetune.runtime.platform import SKU, environment
-from moetune.runtime.problem import MoEProblem
+from moetune.runtime.platform import SKU, Vendor, environment
+from moetune.runtime.problem import DType, MoEProblem
 from moetune.runtime.registry import Registry
 from moetune.runtime.rules import rule_choice
 from moetune.runtime.vllm import versions
+from moetune.runtime.vllm.cpu import fp8_experts_class
 from moetune.tuner.adopt import outdated
 from moetune.tuner.bucket import BucketOutcome
 from moetune.tuner.timing import interval_text
@@ -174,6 +175,7 @@ def doctor_text(sku: SKU, registry: Registry, problem: MoEProblem) -> str:
     lines = [f"device:  {sku.label()}, {sku.memory_bytes / 2**30:.0f} GiB",
              "software: " + ", ".join(f"{k} {v}" for k, v in env.items() if v),
              f"vllm:    {vllm_text()}",
+             *([f"fp8:     {fp8}"] if (fp8 := cpu_fp8_text(sku)) else []),
              f"table:   {table}",
              f"rule:    {rule_choice(problem, sku).reason}",
              f"kernels for {problem.describe()}:"]
@@ -192,6 +194,16 @@ def vllm_text() -> str:
     if why:
         return f"{why}: the plugin disables itself and vLLM serves its own kernels"
     return f"{found}, supported (the plugin serves vLLM {versions.supported_list()})"
+
+
+def cpu_fp8_text(sku: SKU) -> str:
+    """Why vLLM's CPU build cannot serve fp8 MoE models on this CPU ("" where it can, or off
+    the CPU): it fails to load them with "Unsupported FP8 MoE backend: NONE", which says
+    nothing of the reason."""
+    if sku.vendor is not Vendor.CPU or versions.installed() == "unknown":
+        return ""
+    _, why = fp8_experts_class(DType.BFLOAT16, "silu", True, False)
+    return f"vLLM cannot load fp8 MoE checkpoints on this CPU: {why}" if why else ""
 
 
 def merge_text(r: db.MergeReport) -> str:
