@@ -104,8 +104,9 @@ class PluginState:
         strict = self.settings.mode is Mode.STRICT
         if dispatcher.usable and not strict:  # rows are judged per shape: see ``plan``
             logger.info("moetune: mode %s, table %s: %d rows, SKU %s matches; a shape's rows "
-                        "are checked when its first layer attaches (pid %d)", mode, path,
-                        dispatcher.table_rows, sku.label(), os.getpid())
+                        "are checked when its first layer attaches, and the stats count those "
+                        "served (pid %d)", mode, path, dispatcher.table_rows, sku.label(),
+                        os.getpid())
             return dispatcher
         st = dispatcher.status  # strict: every row judged now, to refuse a faulty table
         if st.usable and st.faulty_rows:
@@ -200,7 +201,8 @@ class PluginState:
             "pid": os.getpid(),
             "mode": self.settings.mode.value,
             "table": None if st is None else {"path": st.path, "usable": st.usable,
-                                              "reason": st.reason, "rows": st.rows},
+                                              "reason": st.reason, "rows": st.rows,
+                                              "rows_for_sku": self._dispatcher.table_rows},
             "layers": self.layers,
             "plain_copy_bytes": self.plain_copy_bytes,
             "counters": {k: dict(v) for k, v in self.counts.items()},

@@ -139,6 +139,7 @@ def test_table_winners_run_in_the_worker_process(models, baselines, tmp_path):
     worker = run.worker_stats
     assert worker["pid"] != run.result["pid"]  # the spawned worker, not the driver process
     assert worker["table"]["usable"] and worker["table"]["rows"] == len(HIT_BUCKETS)
+    assert worker["table"]["rows_for_sku"] == len(HIT_BUCKETS)  # all served: the counts agree
     assert worker["layers"] == 2 and worker["plain_copy_bytes"] > 0
     (counts,) = worker["counters"].values()
     assert counts["hit"] > 0 and counts["miss"] == counts["fallback"] == 0
