@@ -1,14 +1,18 @@
-"""A built wheel is what a user installs (moetune is on no package index): it must carry the
-shipped tables, the migrations, the plugin's entry point and the command, and no top-level
-packages of its own names."""
+"""What a user installs (moetune is on no package index): a built wheel must carry the shipped
+tables, the migrations, the plugin's entry point and the command, and no top-level packages of
+its own names; the ``vllm`` extra must resolve to a vLLM release the plugin serves."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 import sys
+import venv
 import zipfile
 from pathlib import Path
+
+from moetune.runtime.vllm import versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -36,3 +40,16 @@ def test_a_built_wheel_carries_tables_migrations_and_entry_points(tmp_path):
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "moetune = moetune.serving.plugin:register" in text
     assert "moetune = moetune.cli:app" in text
+
+
+def test_the_vllm_extra_resolves_a_release_the_plugin_serves(tmp_path):
+    """What ``pip install ".[vllm]"`` picks in a fresh environment today (resolved, not
+    installed: pip's report of what it would install)."""
+    venv.create(tmp_path / "env", with_pip=True)
+    report = tmp_path / "report.json"
+    subprocess.run([str(tmp_path / "env" / "bin" / "python"), "-m", "pip", "install", "-q",
+                    "--dry-run", "--ignore-installed", "--report", str(report),
+                    f"{ROOT}[vllm]"], check=True, capture_output=True, timeout=900)
+    picked = {i["metadata"]["name"]: i["metadata"]["version"]
+              for i in json.loads(report.read_text())["install"]}
+    assert versions.unsupported(picked["vllm"]) is None, picked["vllm"]
