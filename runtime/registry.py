@@ -18,6 +18,7 @@ KERNEL_PATHS: dict[str, str] = {
     "torch_dense": "moetune.runtime.kernels.torch_dense:TorchDenseKernel",
     "torch_scaled_grouped": "moetune.runtime.kernels.torch_scaled_grouped:TorchScaledGroupedKernel",
     "vllm_cpu_experts": "moetune.runtime.kernels.vllm_cpu_experts:VllmCpuExpertsKernel",
+    "vllm_triton": "moetune.runtime.kernels.vllm_triton:VllmTritonKernel",
     "aiter_triton": "moetune.runtime.kernels.aiter_triton:AiterTritonKernel",
     "aiter_triton_split": "moetune.runtime.kernels.aiter_triton:AiterTritonSplitKernel",
     "aiter_triton_silu_fused": "moetune.runtime.kernels.aiter_triton:AiterTritonSiluFusedKernel",

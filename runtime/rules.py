@@ -14,8 +14,11 @@ from moetune.runtime.kernels.base import params_key
 from moetune.runtime.kernels.torch_loop import TorchLoopKernel
 from moetune.runtime.kernels.triton_config import vllm_config_variants
 from moetune.runtime.kernels.vllm_cpu_experts import VllmCpuExpertsKernel
+from moetune.runtime.kernels.vllm_triton import VllmTritonKernel
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import MoEProblem, QuantScheme
+from moetune.runtime.vllm.configs import configs_label
+from moetune.runtime.vllm.versions import installed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,19 +53,27 @@ def rocm_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
 
 
 def cuda_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
-    """CUDA: vLLM's Triton fused-MoE path (aiter ships the same kernel) with the config vLLM
-    picks: its tuned file's entry nearest to M where vLLM has a file for the shape and GPU,
-    else its default heuristic. The torch loop where that kernel cannot run, saying why."""
+    """CUDA: vLLM's own Triton fused-MoE path (``vllm_triton``), which chooses its configs
+    itself, wherever vLLM's code and compiled ops are here. Elsewhere (no vLLM, or no CUDA
+    build of it) an emulation stands in: aiter's fork of vLLM's Triton GEMM with the config
+    vLLM would pick, read from its files, and torch ops between the GEMMs. The torch loop
+    where neither runs, saying why."""
     return cuda_variants(problem, sku)[0]
 
 
 def cuda_variants(problem: MoEProblem, sku: SKU) -> tuple[RuleChoice, ...]:
-    """The CUDA rule with each config vLLM may run (``vllm_config_variants``), its pick first."""
-    ok, why = AiterTritonKernel.supports(problem, sku)
-    if not ok:
-        return (RuleChoice("torch_loop", {}, f"CUDA rule: torch loop ({why})"),)
+    """The CUDA rule: vLLM's own path where it runs; else the emulation with each config vLLM
+    may run (``vllm_config_variants``), its pick first."""
+    ok, why = VllmTritonKernel.supports(problem, sku)
+    if ok:
+        return (RuleChoice("vllm_triton", {}, f"CUDA rule: vLLM {installed()}'s own Triton "
+                                              f"fused-MoE path ({configs_label(problem, sku)})"),)
+    emulated, reason = AiterTritonKernel.supports(problem, sku)
+    if not emulated:
+        return (RuleChoice("torch_loop", {}, f"CUDA rule: torch loop ({why}; {reason})"),)
     return tuple(RuleChoice("aiter_triton", config,
-                            f"CUDA rule: vLLM's fused-MoE Triton kernel with {source}")
+                            f"CUDA rule: an emulation of vLLM's Triton path ({why}): aiter's "
+                            f"fork of its GEMM with {source}")
                  for config, source in vllm_config_variants(problem, sku))
 
 

@@ -22,6 +22,7 @@ from typing import Any
 
 from moetune.runtime.platform import SKU, normalize_device_name
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+from moetune.runtime.vllm.versions import installed_facts
 
 FILE_NAME = re.compile(r"^E=(?P<E>\d+),N=(?P<N>\d+),device_name=(?P<dev>[^,]+?)"
                        r"(?:,dtype=(?P<dtype>\w+))?(?:,block_shape=\[(?P<bn>\d+),(?P<bk>\d+)\])?"
@@ -107,6 +108,20 @@ def tuned_file(problem: MoEProblem, sku: SKU, folders: tuple[Path, ...] | None =
         if (folder / name).is_file():
             return folder / name
     return None
+
+
+def configs_label(problem: MoEProblem, sku: SKU) -> str:
+    """Which of vLLM's config sources its Triton path reads for ``problem`` on ``sku``: the
+    tuned file's name (and GEMM2's ``_down.json`` where the installed vLLM reads one), or
+    ``default`` (its heuristic). A baseline records it: the same vLLM with another tuned file
+    is another baseline."""
+    found = tuned_file(problem, sku)
+    if found is None:
+        return "default"
+    reads_down = (installed_facts().down_configs
+                  and problem.quant is QuantScheme.FP8_BLOCK_128X128)
+    down = tuned_file(problem, sku, down=True) if reads_down else None
+    return found.name if down is None else f"{found.name} + {down.name}"
 
 
 @functools.lru_cache(maxsize=64)

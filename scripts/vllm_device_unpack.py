@@ -1,0 +1,95 @@
+"""Assemble vLLM from the parts ``scripts/vllm_device_pack.py`` made, one part per call.
+
+Each call moves the part it was given into ``--stage`` (kept while the machine is); once every
+piece named in the manifest is there with its SHA-256, it installs the dependency wheels and
+the sources into ``--site``, rebuilds the compiled ops beside them, and prints ``ready``. Then
+``PYTHONPATH=<site>`` imports that vLLM. Uses only the standard library and pip.
+
+    python3 scripts/vllm_device_unpack.py .vllm-pack/p1 --stage /tmp/vllm-stage --site /tmp/vllm-site
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import lzma
+import shutil
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(1 << 24):
+            h.update(block)
+    return h.hexdigest()
+
+
+def assemble(stage: Path, site: Path, manifest: dict) -> None:
+    wheels = sorted(str(p) for p in (stage / "deps").glob("*.whl"))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--no-compile", "--upgrade", "--target", str(site), *wheels], check=True)
+    with tarfile.open(stage / "src.tar.xz") as tar:
+        tar.extractall(site, filter="tar")
+    for packed in sorted({p.split(".xz")[0] for p in manifest["pieces"] if ".so.xz" in p}):
+        chunks = sorted(stage.glob(packed + ".xz*"))
+        with (site / "vllm" / packed).open("wb") as out, _Joined(chunks) as f:
+            shutil.copyfileobj(f, out, 1 << 24)
+
+
+class _Joined:
+    """The concatenation of the chunks of one xz file, decompressed, as one readable file."""
+
+    def __init__(self, chunks: list[Path]) -> None:
+        self._files = [c.open("rb") for c in chunks]
+        self._lzma = lzma.LZMADecompressor()
+        self._i = 0
+
+    def read(self, n: int = -1) -> bytes:
+        while self._i < len(self._files):
+            data = self._files[self._i].read(1 << 24)
+            if not data:
+                self._i += 1
+                continue
+            out = self._lzma.decompress(data)
+            if out:
+                return out
+        return b""
+
+    def __enter__(self) -> "_Joined":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for f in self._files:
+            f.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("part", type=Path)
+    parser.add_argument("--stage", type=Path, default=Path("/tmp/vllm-stage"))
+    parser.add_argument("--site", type=Path, default=Path("/tmp/vllm-site"))
+    args = parser.parse_args()
+    manifest = json.loads((args.part / "manifest.json").read_text())
+    for name in manifest["pieces"]:
+        if (args.part / name).exists():
+            (args.stage / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(args.part / name, args.stage / name)
+    missing = [n for n, digest in manifest["pieces"].items()
+               if not (args.stage / n).exists() or sha256(args.stage / n) != digest]
+    if missing:
+        print(f"waiting for {len(missing)} of {len(manifest['pieces'])} pieces "
+              f"({', '.join(sorted(missing)[:4])}...)")
+        return
+    if not (args.site / ".ready").exists():
+        assemble(args.stage, args.site, manifest)
+        (args.site / ".ready").touch()
+    print(f"ready: vLLM {manifest['version']} in {args.site}")
+
+
+if __name__ == "__main__":
+    main()
