@@ -60,7 +60,8 @@ def tiny_table(tmp_path_factory, cpu_sku) -> Path:
 
 @pytest.fixture(scope="session")
 def vllm_workspace():
-    """vLLM's workspace manager on the CPU, as its model runner sets it up before any MoE call:
+    """vLLM's workspace manager on the GPU where there is one, else the CPU, as its model runner
+    sets it up before any MoE call:
     the modular kernel of vLLM 0.33 and later takes its buffers from it. Growing a buffer
     empties the accelerator's cache first, which a machine without one cannot do (nothing to
     empty): that call does nothing here."""
@@ -70,6 +71,7 @@ def vllm_workspace():
     if not torch.accelerator.is_available():
         patch.setattr(torch.accelerator, "empty_cache", lambda: None)
     if not workspace.is_workspace_manager_initialized():
-        workspace.init_workspace_manager(torch.device("cpu"))
+        workspace.init_workspace_manager(torch.device("cuda" if torch.cuda.is_available()
+                                                      else "cpu"))
     yield
     patch.undo()
