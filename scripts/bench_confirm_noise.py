@@ -22,8 +22,17 @@ scripted measurer. Noise models, each on top of 3% lognormal jitter per re-timin
   drawn per confirmation), as 2-3 concurrent tunes on a loaded 2-core host did. The rounds
   agree, so no round looks disturbed; what catches it is the rule's quiet time from the
   table's history (``reference_us``, 100 us here, given in every model).
-- ``sustained-no-history``: the same without a quiet reference (a first tune under that load):
-  nothing inside the confirmation can tell it from a real win.
+- ``sustained-no-history``: the same without a quiet reference from the table (a first tune
+  under that load): only the host probe can tell it from a real win.
+
+In every model the confirmation reads a host probe beside each round (``tuner.load``; its
+reading is its stream of small ops over its quiet cost). Its model: 1 + |N(0, 0.15)| on a quiet
+host (1.0-1.3x as measured on a shared 2-core VM), times 1-4x in 10% of readings (an
+interrupted stream, as measured there), times the noise model's disturbance where that hits
+whatever runs (``spikes`` and ``busy`` as for the rule's pick, ``drift`` over its trough); in
+the ``sustained`` models, also times the rule's pick's slowdown to a power drawn per
+confirmation between 0.5 and 1 (a stream of the same kind of ops, slowed as much as the rule's
+pick or only its square root).
 
 Compared with the previous rule (5 rounds, a win in every round but one and in the median round,
 decided on the first 5 rounds of the same trial). Prints Markdown.
@@ -43,7 +52,7 @@ from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.rules import rule_choice
-from moetune.tuner.confirm import ALPHA, DISTURBED, MARGIN, SUSTAINED, confirm
+from moetune.tuner.confirm import ALPHA, DISTURBED, HOST_SLOWED, MARGIN, SUSTAINED, confirm
 from moetune.tuner.job import source_commit
 from moetune.tuner.measure import Result, Status
 from moetune.tuner.timing import Timing
@@ -67,12 +76,34 @@ class NoisyMeasurer:
     calls: int = 0
     busy: float = 1.0  # the busy loop's slowdown while it runs, 1.0 when it does not
     slowed: float = 1.0  # the rule's pick's sustained slowdown (``sustained`` models)
+    #: The probe's own draws, apart from the re-timings' (which stay as without a probe).
+    probe_rng: random.Random = dataclasses.field(default_factory=random.Random)
 
     def __post_init__(self) -> None:
         self.log: list[tuple[str, float]] = []
         self.period = self.rng.uniform(10, 40)
         self.phase = self.rng.uniform(0, 2 * math.pi)
         self.step_at = self.rng.randrange(0, 60)
+        self.share = self.probe_rng.uniform(0.5, 1.0)  # of the sustained slowdown it sees
+
+    def drift(self) -> float:
+        """The machine's speed now under ``drift``: +-10% cycling, 15% up after a step."""
+        cycle = 1 + 0.1 * math.sin(2 * math.pi * self.calls / self.period + self.phase)
+        return cycle * (1.15 if self.calls >= self.step_at else 1.0)
+
+    def probe(self) -> float:
+        """The host probe's reading beside a round (the model in the module's docstring)."""
+        rng, model = self.probe_rng, self.model
+        reading = 1 + abs(rng.gauss(0, 0.15))
+        if rng.random() < 0.1:
+            reading *= rng.uniform(1, 4)
+        if model in ("spikes", "all") and rng.random() < 0.2:
+            reading *= rng.uniform(10, 50)
+        if model in ("busy", "all"):
+            reading *= self.busy
+        if model in ("drift", "all"):
+            reading *= self.drift() / 0.9
+        return reading * self.slowed ** self.share
 
     def retime(self, kernel: str, params: dict, reps: int) -> Timing:
         rng, model = self.rng, self.model
@@ -89,8 +120,7 @@ class NoisyMeasurer:
                 self.busy = 1.0
             t *= self.busy
         if model in ("drift", "all"):
-            t *= 1 + 0.1 * math.sin(2 * math.pi * self.calls / self.period + self.phase)
-            t *= 1.15 if self.calls >= self.step_at else 1.0
+            t *= self.drift()
         self.calls += 1
         self.log.append((kernel, t))
         return Timing(t, t * (1 - jitter), t * (1 + jitter), reps, "scripted")  # its reps
@@ -114,11 +144,14 @@ class Cell:
     rounds: list[int] = dataclasses.field(default_factory=list)
     retimes: int = 0
     disturbed: int = 0
+    history: int = 0  # the rule kept for sustained load: by the table's history
+    host: int = 0  # by the host probe
 
 
 def run_cell(problem: MoEProblem, sku, model: str, speed: float, candidates: int, trials: int,
              seed: int) -> Cell:
     rng = random.Random(f"{seed}-{model}-{speed}-{candidates}")
+    probe_rng = random.Random(f"{seed}-{model}-{speed}-{candidates}-probe")
     rule = rule_choice(problem, sku)
     names = [f"candidate{i}" for i in range(candidates)]
     results = {}
@@ -133,14 +166,16 @@ def run_cell(problem: MoEProblem, sku, model: str, speed: float, candidates: int
             rule.kernel, rule.params, Status.OK,
             Timing(rule_us, 0.97 * rule_us, 1.03 * rule_us, 1, "x"))
         m = NoisyMeasurer({rule.kernel: QUIET_US, **{n: QUIET_US / speed for n in names}},
-                          rule.kernel, model, rng, slowed=slowed)
-        decision = confirm(problem, sku, m, dict(results),
+                          rule.kernel, model, rng, slowed=slowed, probe_rng=probe_rng)
+        decision = confirm(problem, sku, m, dict(results), probe=m.probe,
                            reference_us=None if model == "sustained-no-history" else QUIET_US)
         cell.published += decision.winner.kernel != rule.kernel
         cell.previous += previous_rule(m.log, [rule.kernel] + names) != rule.kernel
         cell.rounds.append(decision.rounds)
         cell.retimes += decision.retimes
         cell.disturbed += decision.baseline.disturbed
+        cell.history += decision.reason.startswith(f"sustained load: {rule.kernel} ran")
+        cell.host += decision.reason.startswith("sustained load: the host")
     return cell
 
 
@@ -169,7 +204,8 @@ def main() -> None:
           f"kernel's fastest (for the rule's pick, also its search timing) are left out; 5 "
           f"clean rounds at a time, at most 20 rounds; no winner where the rule's pick ran over "
           f"{SUSTAINED}x its quiet reference ({QUIET_US:g} us from the table's history) at its "
-          f"fastest. Previous rule: {PREVIOUS_ROUNDS} rounds, a win in every round but one and "
+          f"fastest, nor where the host probe read over {HOST_SLOWED}x beside every round. "
+          f"Previous rule: {PREVIOUS_ROUNDS} rounds, a win in every round but one and "
           f"in the median round.")
     print(f"- {args.trials} confirmations per cell; cells are 'now / previous'.\n")
     header = "| noise | " + " | ".join(_label(s) for s in SPEEDS) + " |"
@@ -199,6 +235,12 @@ def main() -> None:
         for m in MODELS:
             print(f"| {m} | " + " | ".join(f"{cells[m, s].retimes / previous:.2f}x"
                                            for s in SPEEDS) + " |")
+        print("\nRule kept for sustained load, by the table's history / by the host probe:\n")
+        print(header + "\n" + rule)
+        for m in MODELS:
+            print(f"| {m} | " + " | ".join(
+                f"{cells[m, s].history / args.trials:.1%} / {cells[m, s].host / args.trials:.1%}"
+                for s in SPEEDS) + " |")
         print()
 
 

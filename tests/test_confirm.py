@@ -18,6 +18,7 @@ from moetune.runtime.kernels.base import BaseKernel, params_key
 from moetune.runtime.registry import KERNEL_PATHS, Registry
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.confirm import ALPHA, MARGIN, confirm
+from moetune.tuner.load import StreamProbe
 from moetune.tuner.measure import Measurer, Result, Status
 from moetune.tuner.timing import (Timing, interval_text, median_error, ratio_interval,
                                    readable_bounds)
@@ -357,3 +358,76 @@ def test_the_quiet_reference_is_the_rules_fastest_time_in_the_tables_history(tin
     assert _quiet_reference(rows, {key: faster}, cpu_sku, problem) == recorded / 2
     assert _quiet_reference(rows, {}, cpu_sku, preset("tiny").shape.problem(2)) is None
     assert _quiet_reference([], {}, cpu_sku, problem) is None
+
+
+class ScriptedProbe:
+    """Host probe readings from a seeded RNG: 1 + |N(0, 0.15)| on a quiet host, and a tenth of
+    them an interrupted stream up to 4x (as readings on a shared 2-core VM went), times
+    ``slowed`` for load that lasts."""
+
+    def __init__(self, seed: int, slowed: float = 1.0):
+        self.rng, self.slowed, self.readings = random.Random(f"probe-{seed}"), slowed, 0
+
+    def __call__(self) -> float:
+        self.readings += 1
+        reading = 1 + abs(self.rng.gauss(0, 0.15))
+        if self.rng.random() < 0.1:
+            reading *= self.rng.uniform(1, 4)
+        return reading * self.slowed
+
+
+@pytest.mark.parametrize("factor", [10.0, 1000.0])
+def test_a_first_tune_under_sustained_load_publishes_no_winner_against_the_host_probe(
+        small_problem, cpu_sku, factor):
+    """The same fake winners with no history at all: the host probe, read beside every round
+    and slowed (here by the square root of the rule's slowdown), refuses them."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    results = _results(rule, ["candidate0"])
+    results[(rule, "{}")] = Result(rule, {}, Status.OK, Timing(100 * factor, 97 * factor,
+                                                                103 * factor, 1, "x"))
+    for seed in range(20):
+        timer = SlowedTimer(factor, {rule: 100.0, "candidate0": 100.0}, rule, "jitter", seed)
+        probe = ScriptedProbe(seed, math.sqrt(factor))
+        decision = confirm(small_problem, cpu_sku, timer, dict(results), probe=probe)
+        assert decision.winner.kernel == rule and not any(b.beaten for b in decision.baselines)
+        assert decision.reason.startswith("sustained load: the host ran a stream of small ops")
+        assert "re-tune on a quiet host" in decision.reason
+        assert probe.readings == decision.rounds  # one reading beside every round
+
+
+@pytest.mark.parametrize(("noise", "speed", "jitter"), [
+    ("jitter", 1.02, 0.002), ("jitter", 1.10, 0.03), ("jitter", 1.0, 0.03),
+    ("busy", 1.10, 0.03), ("drift", 1.10, 0.03)])
+def test_the_host_probe_changes_no_decision_on_a_host_without_lasting_load(
+        small_problem, cpu_sku, noise, speed, jitter):
+    """Quiet or ordinarily noisy readings never fire: every decision is the one made without a
+    probe, real wins included."""
+    rule = rule_choice(small_problem, cpu_sku).kernel
+    for seed in range(40):
+        true = {rule: 100.0, "candidate0": 100.0 / speed}
+        without = confirm(small_problem, cpu_sku, FakeTimer(true, rule, noise, seed, jitter),
+                          _results(rule, ["candidate0"]))
+        probed = confirm(small_problem, cpu_sku, FakeTimer(true, rule, noise, seed, jitter),
+                         _results(rule, ["candidate0"]), probe=ScriptedProbe(seed))
+        assert (probed.winner.kernel, probed.reason) == (without.winner.kernel, without.reason)
+
+
+def test_the_stream_probe_reads_its_stream_against_its_fastest_piece():
+    probe = StreamProbe(pieces=8, width=32)
+    readings = [probe() for _ in range(3)]
+    assert all(1.0 <= r < math.inf for r in readings)
+
+
+def test_a_job_reads_its_probe_at_the_start_and_beside_every_round(tmp_path, small_problem,
+                                                                    cpu_sku):
+    """A job under lasting load (the probe reads 10x throughout) publishes the rule's pick in
+    every bucket, saying why; the probe was read before the first bucket too."""
+    from moetune.tuner.job import JobOptions, run_job
+
+    probe = ScriptedProbe(0, 10.0)
+    [outcome] = run_job([small_problem], tmp_path / "t.db", cpu_sku,
+                        JobOptions(device="cpu", trials=3, refine=0, reps=2), probe=probe)
+    decision = outcome.decision
+    assert decision.winner.kernel == rule_choice(small_problem, cpu_sku).kernel
+    assert probe.readings == 1 + decision.rounds + (5 if decision.finalists > 2 else 0)
+    assert "over baseline" not in decision.reason

@@ -25,6 +25,7 @@ from moetune.runtime.registry import Registry
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.confirm import Decision, confirm
 from moetune.tuner.inputs import Routing
+from moetune.tuner.load import HostProbe
 from moetune.tuner.measure import Key, Measurer, Result, Status
 from moetune.tuner.procs.compile_pool import CompilePool
 from moetune.tuner.procs.measurer import IsolatedMeasurer
@@ -74,12 +75,13 @@ class BucketOutcome:
 
 @dataclasses.dataclass(frozen=True)
 class Lane:
-    """Where a bucket is tuned: the device (named when the job has several), and its measuring
-    child and compile pool (reused across buckets)."""
+    """Where a bucket is tuned: the device (named when the job has several), its measuring
+    child and compile pool (reused across buckets), and the job's host probe (``confirm``)."""
 
     device: str
     worker: IsolatedMeasurer | None
     pool: CompilePool | None
+    probe: HostProbe | None = None
 
 
 def claim_bucket(writer: db.TableWriter, sku: SKU,
@@ -149,7 +151,8 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                              storage=opts.optuna_storage, compiler=pool, progress=on_trial)
         confirming = time.perf_counter()
         decision = confirm(problem, sku, measurer, results,
-                           reference_us=_quiet_reference(rows, known, sku, problem))
+                           reference_us=_quiet_reference(rows, known, sku, problem),
+                           probe=lane.probe)
     except (TuningError, RuntimeError) as e:  # RuntimeError: torch's, measuring in-process
         return BucketOutcome(problem, None, 0, len(known), str(e), device=lane.device)
     fresh = [r for k, r in results.items() if k not in known]

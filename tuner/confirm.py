@@ -14,6 +14,7 @@ from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import SKU
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.rules import rule_variants
+from moetune.tuner.load import HostProbe
 from moetune.tuner.measure import CandidateMeasurer, Key, Result, Status
 from moetune.tuner.timing import RatioInterval, Timing, median_error, ratio_interval
 
@@ -33,6 +34,11 @@ DISTURBED = 1.3
 #: busy host one kernel (a loop of many small ops) can run 1000x slower in every round alike,
 #: so the rounds agree and no round looks disturbed. No winner is published then.
 SUSTAINED = 3.0
+#: Without such history: the host probe (``tuner.load``) read beside every round of the
+#: confirmation, at its quietest, over this many times its quiet cost. Quiet readings on a
+#: shared 2-core VM were 1.0-1.3x (at most 2.0x at the quietest of 5); load that slows the
+#: rule's loop 10x or more slows the probe's stream of the same kind of ops past this.
+HOST_SLOWED = 2.5
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +96,8 @@ class Decision:
 
 def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results: dict[Key, Result], *,
             top: int = 3, rounds: int = 5, reps: int = 10,
-            max_rounds: int | None = None, reference_us: float | None = None) -> Decision:
+            max_rounds: int | None = None, reference_us: float | None = None,
+            probe: HostProbe | None = None) -> Decision:
     """Re-time the rule variants and the best ``top`` candidates interleaved, and decide.
 
     Each round re-times its finalists once, in alternating order, so a speedup is taken within
@@ -114,6 +121,10 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     load slowed it in every round alike, which no comparison within a round can see: the
     rule's pick is kept (re-tune on a quiet host), and the reason says so.
 
+    ``probe`` is read after every round; where even its quietest reading is over
+    ``HOST_SLOWED``, load lasted through the whole confirmation and the rule's pick is kept
+    likewise: the quiet reference of a bucket with no history.
+
     Raises:
         TuningError: the rule's pick failed or was wrong (nothing trustworthy to compare to).
         WorkerDiedError: an isolated measurer died re-timing a finalist.
@@ -128,7 +139,7 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     bases = [b for b in bases if b.status is Status.OK]  # a variant that fails here is no rule
     ok = sorted((r for r in results.values() if r.status is Status.OK), key=lambda r: r.median_us)
     finalists = bases + [r for r in ok[:top] if all(r is not b for b in bases)]
-    timed = _Rounds(measurer, finalists, reps, [b.median_us for b in bases])
+    timed = _Rounds(measurer, finalists, reps, [b.median_us for b in bases], probe)
     contender = 1 if len(finalists) > 1 else 0  # 0: nothing but the rule's pick to time
     if len(finalists) > 2:
         timed.add(range(len(finalists)), rounds)
@@ -151,10 +162,13 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     best = contender if verdict.above(1 + MARGIN) else 0
     evidence = f"({verdict.text()})"
     slowed = timed.fastest(0) / reference_us if reference_us else 1.0
-    if best and slowed > SUSTAINED:
+    host = min(timed.host, default=1.0)
+    if best and (slowed > SUSTAINED or host > HOST_SLOWED):
         best = 0
-        reason = (f"sustained load: {bases[0].kernel} ran {slowed:.1f}x its quiet "
-                  f"{reference_us:.1f}us in every round, so {finalists[contender].kernel}'s "
+        what = (f"{bases[0].kernel} ran {slowed:.1f}x its quiet {reference_us:.1f}us"
+                if slowed > SUSTAINED else
+                f"the host ran a stream of small ops {host:.1f}x its quiet cost")
+        reason = (f"sustained load: {what} in every round, so {finalists[contender].kernel}'s "
                   f"{verdict.ratio:.2f}x {evidence} is not evidence; kept the rule, re-tune on "
                   "a quiet host")
     elif best:
@@ -181,11 +195,13 @@ class _Rounds:
     drifting within a round favours neither side). A re-timing over ``DISTURBED`` times its
     kernel's fastest is disturbed; the fastest counts every round and, for the rule variants,
     their search timing (``floors``): leaving out rounds where a baseline is slow is the safe
-    direction. Intervals and pooled timings use the rounds from ``since`` on."""
+    direction. Intervals and pooled timings use the rounds from ``since`` on. ``host``: the
+    probe's reading after each round, if there is a probe."""
 
     def __init__(self, measurer: CandidateMeasurer, finalists: list[Result], reps: int,
-                 floors: list[float]) -> None:
-        self.measurer, self.finalists, self.reps = measurer, finalists, reps
+                 floors: list[float], probe: HostProbe | None) -> None:
+        self.measurer, self.finalists, self.reps, self.probe = measurer, finalists, reps, probe
+        self.host: list[float] = []
         self.floors = floors + [math.inf] * (len(finalists) - len(floors))
         self.log: list[dict[int, Timing]] = [{} for _ in finalists]
         self.since = 0
@@ -203,6 +219,8 @@ class _Rounds:
                 f = self.finalists[i]
                 self.log[i][r] = self.measurer.retime(f.kernel, f.params, self.reps)
                 self.retimes += 1
+            if self.probe is not None:
+                self.host.append(self.probe())
 
     def fastest(self, i: int) -> float:
         """Finalist ``i``'s fastest time: noise only ever adds time, so this is the reference."""

@@ -27,6 +27,7 @@ from moetune.runtime.platform import SKU, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
 from moetune.tuner.bucket import BucketOptions, BucketOutcome, Lane, tune_bucket
+from moetune.tuner.load import HostProbe, StreamProbe
 from moetune.tuner.procs.compile_pool import CompilePool
 from moetune.tuner.procs.measurer import IsolatedMeasurer
 from moetune.tuner.roofline import Ceilings, measure_if_cuda
@@ -123,17 +124,21 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
             on_bucket: Callable[[BucketOutcome], None] | None = None,
             on_trial: Callable[[], None] | None = None,
             measure_ceilings: Callable[[str], Ceilings | None] = measure_if_cuda,
-            ) -> list[BucketOutcome]:
+            probe: HostProbe | None = None) -> list[BucketOutcome]:
     """Tune every problem (already bucketed) and write winners to ``output``.
 
     With several ``opts.devices`` each takes the next bucket when it is done with one; writes
     to ``output`` are serialized (they go through one ``db.TableWriter``). A bucket whose
     baseline fails is reported in its outcome and the job goes on; the run is marked failed if
     any bucket failed. The run records the device's ceilings, ``measure_ceilings(first
-    device)`` (measured on CUDA, none on the CPU).
+    device)`` (measured on CUDA, none on the CPU). ``probe`` (default: a ``StreamProbe``) is
+    read first here, at the job's start, and beside every confirmation round: without history
+    it is each bucket's reference for load that lasts (``confirm``).
     """
     _check_storage(opts.optuna_storage)
     ceilings = _ceilings(measure_ceilings, opts.lanes[0])
+    probe = StreamProbe() if probe is None else probe
+    probe()  # its fastest piece from a start before any of the job's own work
     writer = db.TableWriter(output)
     run_id = writer.start_run(sku.to_row(), environment=environment(), command=_command_line(),
                               commit=source_commit(),
@@ -157,7 +162,7 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
                 except queue.Empty:
                     return
                 outcome = tune_bucket(problems[i], writer, sku, opts, registry, run_id, on_trial,
-                                      Lane(device if opts.devices else "", worker, pool))
+                                      Lane(device if opts.devices else "", worker, pool, probe))
                 outcomes[i] = outcome
                 if on_bucket:
                     on_bucket(outcome)
