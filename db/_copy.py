@@ -46,8 +46,7 @@ def copy_provenance(source: Session, target: Session, *, include_measurements: b
         for bucket in source.scalars(select(BucketRow).order_by(BucketRow.id))
     }
     runs = {
-        run.id: _copy_run(target, run, skus[run.sku_id])
-        for run in source.scalars(select(TuningRun).order_by(TuningRun.id))
+        run.id: _copy_run(target, run, skus[run.sku_id]) for run in _readable_runs(source)
     }
     ids = IdMap(skus, buckets, runs)
     if include_measurements:
@@ -89,6 +88,19 @@ def export_sqlite(src: str | Path, dst: str | Path, *, include_measurements: boo
                 copy_winner(target, winner, ids)
 
 
+def _readable_runs(source: Session) -> list[TuningRun]:
+    """The runs whose stored values convert to their columns' types; the others (a status or
+    date edited into garbage) are left out with their trials, and each of their winners is
+    dropped with the reason by the row check (``winner_fault``)."""
+    runs = []
+    for run_id in source.scalars(select(TuningRun.id).order_by(TuningRun.id)):
+        try:
+            runs.append(source.get_one(TuningRun, run_id))
+        except (ValueError, LookupError):  # what SQLAlchemy's conversions raise
+            continue
+    return runs
+
+
 def _copy_run(target: Session, run: TuningRun, sku_id: int) -> int:
     identity = {
         "sku_id": sku_id, "host": run.host, "command": run.command, "started_at": run.started_at
@@ -110,7 +122,8 @@ def _copy_measurements(source: Session, target: Session, ids: IdMap) -> None:
     )
     seen = set(target.execute(select(*identity)))
     rows = []
-    for m in source.scalars(select(Measurement).order_by(Measurement.id)):
+    for m in source.scalars(select(Measurement).where(Measurement.run_id.in_(ids.runs))
+                            .order_by(Measurement.id)):
         row = {
             **_columns(m, exclude=_REMAPPED),
             "run_id": ids.runs[m.run_id],

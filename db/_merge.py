@@ -224,15 +224,17 @@ def _candidates(session: Session, side: str, ids: IdMap,
     """A table's valid winners keyed by the *output's* (sku_id, bucket_id), so both sides
     align."""
     query = (
-        select(WinnerRow, TuningRun.started_at, SkuRow, BucketRow)
-        .join(TuningRun, WinnerRow.run_id == TuningRun.id)
+        select(WinnerRow.id, SkuRow, BucketRow)
         .join(SkuRow, WinnerRow.sku_id == SkuRow.id)
         .join(BucketRow, WinnerRow.bucket_id == BucketRow.id)
     )
+    valid = [i for i, sku, bucket in session.execute(query)
+             if _key(sku.key(), bucket.key()) not in invalid]  # only these convert safely
+    winners = [session.get_one(WinnerRow, i) for i in valid]
     return {
-        (ids.skus[w.sku_id], ids.buckets[w.bucket_id]): _Candidate(side, w, started_at, ids)
-        for w, started_at, sku, bucket in session.execute(query)
-        if _key(sku.key(), bucket.key()) not in invalid
+        (ids.skus[w.sku_id], ids.buckets[w.bucket_id]):
+            _Candidate(side, w, session.get_one(TuningRun, w.run_id).started_at, ids)
+        for w in winners
     }
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import ColumnElement, select
+from sqlalchemy import ColumnElement, String, select, type_coerce
 from sqlalchemy.orm import Session
 
 from moetune.db._files import open_table
@@ -71,9 +71,13 @@ _WINNERS = WinnerRow.__table__.join(BucketRow.__table__, _W.bucket_id == _B.id)
 _WINNER_FIELDS = ("id", "kernel", "params", "median_us", "p20_us", "p80_us", "error",
                   "baseline_kernel", "baseline_params", "baseline_us", "speedup", "run_id",
                   "source", "baselines", "sku_id", "bucket_id")
-# The run's environment, and the ids of the run and bucket found (None where they are gone).
-_WINNER_COLUMNS = (*(_W[c] for c in _WINNER_FIELDS), _R.environment, _R.id, _B.id)
-_WINNER_NAMES = (*_WINNER_FIELDS, "environment", "run_ref", "bucket_ref")
+# The run's environment, and the ids of the run and bucket found (None where they are gone);
+# then the values a copy converts, as stored, for the row check to judge (``winner_fault``).
+_STAMPS = {"updated_at": _W.updated_at, "run_started_at": _R.started_at,
+           "run_finished_at": _R.finished_at, "run_status": _R.status}
+_WINNER_COLUMNS = (*(_W[c] for c in _WINNER_FIELDS), _R.environment, _R.id, _B.id,
+                   *(type_coerce(c, String) for c in _STAMPS.values()))
+_WINNER_NAMES = (*_WINNER_FIELDS, "environment", "run_ref", "bucket_ref", *_STAMPS)
 _BUCKET_COLUMNS = tuple(_B[c] for c in BUCKET_COLUMNS)
 
 

@@ -10,12 +10,13 @@ which serving skips (falling back to the rule), ``show`` flags, ``export``, ``me
 bucket as a MoE problem, the kernel and its params' space) is ``runtime._verdict.row_problem``.
 """
 
+import datetime
 import math
 from collections.abc import Mapping
 from typing import Any
 
 from moetune.db._jsontext import load_json
-from moetune.db._models import WINNER_SOURCES
+from moetune.db._models import WINNER_SOURCES, RunStatus
 
 #: ``speedup`` is written as ``baseline_us / median_us``; a stored one further off was edited.
 SPEEDUP_RTOL = 1e-6
@@ -32,8 +33,10 @@ def winner_fault(row: Mapping[str, Any]) -> str | None:
     Checks, in order: the kernel names are non-empty text, ``source`` is one of
     ``WINNER_SOURCES``, every time is a finite positive number (NULL only where the source has
     none: vLLM files have no time, imports no baseline time), ``p20_us <= median_us <=
-    p80_us``, ``speedup`` equals ``baseline_us / median_us``, and ``error`` is finite and not
-    negative. References and JSON are checked by the reader (``read_snapshot``).
+    p80_us``, ``speedup`` equals ``baseline_us / median_us``, ``error`` is finite and not
+    negative, and ``updated_at`` and its run's ``run_started_at``, ``run_finished_at`` (may be
+    NULL) and ``run_status`` are of their types as stored (a copy converts them). References
+    and JSON are checked by the reader (``read_snapshot``).
     """
     for name in ("kernel", "baseline_kernel"):
         if not isinstance(row[name], str) or not row[name]:
@@ -62,6 +65,12 @@ def winner_fault(row: Mapping[str, Any]) -> str | None:
     error = row["error"]
     if error is not None and not (_number(error) and math.isfinite(error) and error >= 0):
         return f"error is {_short(error)}, not a finite non-negative number"
+    for name in ("updated_at", "run_started_at", "run_finished_at"):
+        if not _stamp(row[name], nullable=name == "run_finished_at"):
+            return f"{name} is {_short(row[name])}, not a date and time"
+    if row["run_status"] not in {s.value for s in RunStatus}:
+        return f"its run's status {_short(row['run_status'])} is not one of " + ", ".join(
+            s.value for s in RunStatus)
     return None
 
 
@@ -97,6 +106,17 @@ def parse_baselines(text: object) -> tuple[dict[str, Any], ...]:
                 raise ValueError(f"variant {i}: {name} is {_short(v[name])}, not a finite "
                                  "positive number")
     return tuple(variants)
+
+
+def _stamp(value: object, nullable: bool) -> bool:
+    """A stored date and time: a datetime (a server's driver converts), or ISO 8601 text."""
+    if value is None or isinstance(value, datetime.datetime):
+        return value is not None or nullable
+    try:
+        datetime.datetime.fromisoformat(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return False
+    return True
 
 
 def _number(value: object) -> bool:

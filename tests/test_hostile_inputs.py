@@ -49,6 +49,7 @@ CORRUPT_ROWS = {
     "text_median": ("median_us = 'fast'", "median_us is 'fast'"),
     "bogus_source": ("source = 'bogus'", "source 'bogus' is not one of"),
     "speedup_107x": ("speedup = 107", "speedup 107 does not follow from the times"),
+    "garbage_updated_at": ("updated_at = 'garbage'", "updated_at is 'garbage', not a date"),
 }
 
 
@@ -158,8 +159,6 @@ def test_a_sqlite_url_of_a_file_gets_the_files_locks_and_claims(tiny_table, tmp_
      "entry '²' must map a token count"),
     (("import", "{tmp}/vllm_deep", "-o", "{tmp}/i.db", "--hidden", "128", "--topk", "2"),
      "cannot read JSON"),
-    (("import", "{tmp}/vllm_big", "-o", "{tmp}/i.db", "--hidden", "128", "--topk", "2"),
-     "num_tokens must be an integer from 1 to"),
     (("export", "{table}", "-o", "{tmp}/\udcff.db"), "a table file's name must be valid UTF-8"),
     (("export", "{table}", "-o", "/proc/x", "--format", "vllm"), "nothing to export"),
     (("lookup", "--preset", "tiny", "--num-tokens", "1", "--table", "{tmp}/missing.db",
@@ -188,10 +187,7 @@ def test_each_bad_input_is_one_error_line_and_exit_1(tiny_table, tmp_path, args,
         pytest.skip("this machine has a GPU")
     (tmp_path / "binary").write_bytes(b"\x00\xff\xfe binary")
     for name, content in (("vllm_sup", '{"\u00b2": {}}'),
-                          ("vllm_deep", '{"1": ' + "[" * 100_000 + "]" * 100_000 + "}"),
-                          ("vllm_big", json.dumps({str(2**64): dict.fromkeys(
-                              ("BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M",
-                               "num_warps", "num_stages"), 16)}))):
+                          ("vllm_deep", '{"1": ' + "[" * 100_000 + "]" * 100_000 + "}")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "E=8,N=256,device_name=NVIDIA_H200.json").write_text(content)
     result = invoke(*(a.format(tmp=tmp_path, table=tiny_table) for a in args))
@@ -200,3 +196,57 @@ def test_each_bad_input_is_one_error_line_and_exit_1(tiny_table, tmp_path, args,
     assert len(errors) == 1 and message in result.output, result.output
     assert "Traceback" not in result.output and "╭" not in result.output
     assert not (tmp_path / "x.db").exists() and not (tmp_path / "i.db").exists()
+
+
+def test_a_run_of_garbage_status_drops_its_winners_and_the_rest_is_merged(tiny_table, tmp_path):
+    """A run's status or a winner's time stamp edited into garbage made ``merge`` and ``export``
+    fail as a whole; now its winners are dropped with a line each and the rest is written."""
+    table = tmp_path / "t.db"
+    shutil.copyfile(tiny_table, table)
+    with sqlite3.connect(table) as con:
+        con.execute("UPDATE tuning_run SET status = 'bogus'")
+    merged = invoke("merge", table, tiny_table, "--output", tmp_path / "m.db")
+    assert merged.exit_code == 0, merged.output
+    assert merged.output.count("its run's status 'bogus' is not one of") == 3
+    assert len(db.read_winners(tmp_path / "m.db").rows) == 3  # all of the intact table's
+    exported = invoke("export", table, "--output", tmp_path / "x.db")  # nothing valid is left
+    assert exported.exit_code == 1 and "every winner is invalid" in exported.output
+    assert not (tmp_path / "x.db").exists()
+
+
+VLLM_CONFIG = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 64, "GROUP_SIZE_M": 1,
+               "num_warps": 4, "num_stages": 2}
+
+
+def test_a_vllm_entry_past_2_31_is_skipped_and_the_rest_imported(tmp_path):
+    folder = tmp_path / "configs"
+    folder.mkdir()
+    (folder / "E=8,N=256,device_name=NVIDIA_H200.json").write_text(json.dumps(
+        {str(2**31): VLLM_CONFIG, str(2**64): VLLM_CONFIG, "9" * 5000: VLLM_CONFIG,
+         "1": VLLM_CONFIG, "16": VLLM_CONFIG}))
+    result = invoke("import", folder, "-o", tmp_path / "i.db", "--hidden", 128, "--topk", 2)
+    assert result.exit_code == 0, result.output
+    assert "imported 2 rows" in result.output
+    assert result.output.count("num_tokens must be an integer from 1 to 2147483647") == 3
+    assert "entry 2147483648:" in result.output and "entry 99999999999999999...:" in result.output
+    rows = db.read_winners(tmp_path / "i.db").rows
+    assert sorted(r.bucket["num_tokens"] for r in rows) == [1, 16]
+
+
+def test_import_into_a_sqlite_url_writes_its_file_with_the_files_locks(tiny_table, tmp_path):
+    """``import --output sqlite:///PATH`` is the file at PATH (before, a file named after the
+    URL's text): created, merged into when it exists, refused when it is the input."""
+    table = tmp_path / "t.db"
+    url = f"sqlite:///{table}"
+    first = invoke("import", tiny_table, "--output", url)
+    assert first.exit_code == 0 and f"-> {table}" in first.output, first.output
+    again = invoke("import", tiny_table, "--output", url)  # the same rows: merged, not doubled
+    assert again.exit_code == 0, again.output
+    assert len(db.read_winners(table).rows) == len(db.read_winners(tiny_table).rows)
+    before = table.read_bytes()
+    itself = invoke("import", table, "--output", url)
+    assert itself.exit_code == 1 and "it is also an input" in itself.output
+    assert table.read_bytes() == before
+    server = invoke("import", tiny_table, "--output", "postgresql://u:secret@host/db")
+    assert server.exit_code == 1 and "import writes a table file" in server.output
+    assert "secret" not in server.output

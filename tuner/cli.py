@@ -22,7 +22,7 @@ from rich.progress import Progress
 from rich.text import Text
 
 from moetune import db
-from moetune.errors import MoetuneError, ShapeError, TuningError
+from moetune.errors import MoetuneError, ShapeError, TableError, TuningError
 from moetune.runtime.platform import SKU, detect_sku
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 from moetune.runtime.rules import rule_choice
@@ -315,7 +315,8 @@ def export_(table: Annotated[str, typer.Argument(help="Table file or database UR
 
 @app.command("import")
 @errors_to_exit
-def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
+def import_(file: Path, output: Annotated[str, typer.Option(
+                "--output", "-o", help="Table file, or its sqlite:/// URL")],
             preset: Preset = None, hidden: Hidden = None, topk: TopK = None,
             dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
             router_weight_on_input: OnInput = None,
@@ -327,22 +328,26 @@ def import_(file: Path, output: Annotated[Path, typer.Option("--output", "-o")],
     hidden size and topk: give --hidden and --topk, or --preset (--quant picks per-tensor or
     per-channel for fp8_w8a8 files without a block shape). Rows that would be invalid in a
     table are skipped with the reason; if none is valid, the --output file is left untouched."""
+    if db.is_url(output):
+        raise TableError(f"{db.display_url(output)}: import writes a table file (or its "
+                         "sqlite:/// URL); import into a file, then merge it into the server")
+    target = db.file_path(output)  # a sqlite:/// URL is its file: the same locks and claims
     fmt = formats_io.detect(file)
     if fmt is formats_io.Format.VLLM:
         hints = formats_vllm.shape_hints(preset, hidden, topk, dtype, quant, activation,
                                          router_weight_on_input, arch)
-        out.print(formats_vllm.import_vllm(file, output, hints).text(), highlight=False)
+        out.print(formats_vllm.import_vllm(file, target, hints).text(), highlight=False)
     elif fmt is formats_io.Format.AITER:
-        out.print(formats_aiter.import_aiter(file, output).text(), highlight=False)
+        out.print(formats_aiter.import_aiter(file, target).text(), highlight=False)
     else:
-        if output.exists():
-            merged = formats_io.merge_valid(output, file, output, update=True)
+        if target.exists():
+            merged = formats_io.merge_valid(target, file, target, update=True)
             lines = [report.merge_text(merged)]
         else:
-            merged = formats_io.merge_valid(file, None, output)
+            merged = formats_io.merge_valid(file, None, target)
             lines = []
         typer.echo("\n".join([*lines, *formats_io.merge_notes(merged),
-                              f"imported {file} -> {output}"]))
+                              f"imported {file} -> {target}"]))
 
 
 @app.command()

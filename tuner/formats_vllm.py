@@ -34,7 +34,8 @@ from moetune.errors import FormatError, InvalidProblemError, ShapeError
 from moetune.runtime.dispatcher import row_problem
 from moetune.runtime.kernels.triton_config import SPACE, config_of
 from moetune.runtime.platform import SKU, Vendor
-from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme, Shape, parse_enum
+from moetune.runtime.problem import (MAX_SIZE, Activation, DType, MoEProblem, QuantScheme, Shape,
+                                     parse_enum)
 from moetune.runtime.vllm.configs import (
     FILE_NAME, config_file_name, device_key, selectors, vllm_device_name)
 from moetune.tuner.formats_io import FormatReport, ImportedWinner, stale_note, write_winners
@@ -252,6 +253,11 @@ def _read_file(path: Path, hints: ShapeHints, report: FormatReport,
     winners: list[ImportedWinner] = []
     dropped: collections.Counter[str] = collections.Counter()
     for key, config in configs.items():
+        if len(key) > len(str(MAX_SIZE)) or int(key) > MAX_SIZE:  # the file's others still count
+            shown = key if len(key) <= 20 else key[:17] + "..."
+            report.skip(f"{path.name}: entry {shown}: num_tokens must be an integer from 1 to "
+                        f"{MAX_SIZE}")
+            continue
         dropped.update(set(config) - set(SPACE))
         params = {n: config[n] for n in SPACE}  # checked with every row in ``write_winners``
         try:
@@ -279,7 +285,7 @@ def _load_configs(path: Path) -> tuple[str | None, dict[str, dict[str, Any]]]:
         raise FormatError(f"{path}: not a vLLM tuned config: expected a JSON object mapping "
                           "token counts to Triton configs")
     for key, config in entries.items():
-        if not (key.isascii() and key.isdigit() and int(key) > 0 and isinstance(config, dict)
+        if not (key.isascii() and key.isdigit() and key.strip("0") and isinstance(config, dict)
                 and all(isinstance(config.get(n), int) for n in SPACE)):
             raise FormatError(f"{path}: not a vLLM tuned config: entry {key!r} must map a token "
                               f"count to a config with integer {', '.join(SPACE)}")
