@@ -6,8 +6,8 @@ num_warps, num_stages}}``; vLLM takes the entry nearest to the call's M. ``N`` i
 intermediate size per partition (``w2.shape[2]``), ``d`` is ``fp8_w8a8`` for every fp8 scheme
 (and ``float32`` for float32 layers), ``dev`` is vLLM's device name with spaces as ``_``.
 
-Export writes the winners of Triton kernels: ``aiter_triton`` is vLLM's kernel and config
-exactly; kernels tuned per GEMM (``g1_``/``g2_`` parameters) export GEMM1's config, which vLLM
+Export writes the winners of Triton kernels: ``aiter_triton`` (aiter's fork of vLLM's Triton
+GEMM, which takes vLLM's config keys) exports its config as it is; kernels tuned per GEMM (``g1_``/``g2_`` parameters) export GEMM1's config, which vLLM
 then runs for both GEMMs (the report counts them). Other winners are skipped and counted, and
 invalid rows (unreadable, unknown kernel, params outside its space) with the reason ``show``
 gives.
@@ -15,7 +15,8 @@ gives.
 Import: the name gives E, N, the device and the fp8 family; hidden size and topk it lacks come
 from ``ShapeHints`` (``--hidden``/``--topk`` or ``--preset``), as do the choices the name leaves
 open (bf16 or fp16, per-tensor or per-channel fp8, activation, router weight on input). Each
-entry becomes an ``aiter_triton`` winner of source ``vllm-json``, without a time: any measured
+entry becomes an ``aiter_triton`` winner of source ``vllm-json`` (the kernel moetune runs a
+vLLM config with), without a time: any measured
 winner beats it in ``merge``, while the dispatcher still uses it.
 """
 

@@ -1,5 +1,8 @@
-"""vLLM's fused-MoE Triton GEMM as aiter ships it (``moe_op.fused_moe``), called twice with the
-activation between: the kernel vLLM runs on CUDA, and the one the CUDA rule picks.
+"""aiter's fork of an older vLLM fused-MoE Triton GEMM (``moe_op.fused_moe``), called twice with
+the activation between: a candidate family of its own, and the CUDA rule's emulation of vLLM
+where vLLM's own path (``vllm_triton``) is not installed. It takes vLLM's config keys but is not
+vLLM's code: vLLM 0.34's path ran 0.6-34% faster per bucket on an H100 with the same configs
+(``bench/results/vllm-baseline-h100-2026-12-07/``).
 
 Its variants are the table at the end of this module. Each differs from it in three choices:
 
