@@ -5,6 +5,15 @@ Imports nothing from ``moetune.runtime`` or ``moetune.tuner`` (and no torch): ``
 layer. The code lives in the private modules; this module only re-exports.
 """
 
+from moetune.db._baselines import (
+    BaselineRecord,
+    Candidate,
+    Pick,
+    dump_baselines,
+    minor_version,
+    params_key,
+    vllm_label,
+)
 from moetune.db._copy import export_sqlite
 from moetune.db._files import TableFile, claim_in, open_table, write_table
 from moetune.db._jsontext import dump_json, load_json
@@ -19,14 +28,8 @@ from moetune.db._models import (
     TuningRun,
     WinnerRow,
 )
-from moetune.db._read import (
-    RunRecord,
-    TableSnapshot,
-    WinnerRecord,
-    read_measurements,
-    read_runs,
-    read_winners,
-)
+from moetune.db._history import RunRecord, read_measurements, read_runs
+from moetune.db._read import TableSnapshot, WinnerRecord, read_winners
 from moetune.db._reader import WinnerReader
 from moetune.db._schema import HEAD_REVISION, alembic_config, file_path, is_url, schema_revision
 from moetune.db._server import display_url
@@ -47,12 +50,15 @@ from moetune.db._writer import MeasurementRecord, TableWriter, WinnerEntry
 __all__ = [
     "HEAD_REVISION",
     "Base",
+    "BaselineRecord",
     "BucketRow",
+    "Candidate",
     "Measurement",
     "MeasurementRecord",
     "MeasurementStatus",
     "MergeConflict",
     "MergeReport",
+    "Pick",
     "RunRecord",
     "RunStatus",
     "SkuRow",
@@ -66,6 +72,7 @@ __all__ = [
     "WinnerRow",
     "add_measurement",
     "display_url",
+    "dump_baselines",
     "dump_json",
     "alembic_config",
     "claim_in",
@@ -81,12 +88,15 @@ __all__ = [
     "load_json",
     "measured",
     "merge_tables",
+    "minor_version",
     "open_table",
+    "params_key",
     "read_measurements",
     "read_runs",
     "read_winners",
     "schema_revision",
     "set_winner",
     "start_run",
+    "vllm_label",
     "write_table",
 ]

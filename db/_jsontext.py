@@ -6,6 +6,7 @@ parsed with ``json.loads`` only; nothing stored in a table is ever executed or u
 """
 
 import json
+from collections.abc import Callable
 from typing import Any
 
 #: Bounds on stored JSON text: params, baselines and environments are a few hundred bytes, so
@@ -40,6 +41,16 @@ def load_json(text: object) -> dict[str, Any]:
     if not isinstance(value, dict):
         raise ValueError(f"expected a JSON object, got {type(value).__name__}")
     return value
+
+
+def json_or_none(text: str | None,
+                 parse: Callable[[str], dict[str, Any]] = load_json) -> dict[str, Any] | None:
+    """A stored JSON object (read by ``parse``), or None where there is none or it cannot be
+    parsed."""
+    try:
+        return None if text is None else parse(text)
+    except ValueError:
+        return None
 
 
 def load_json_value(text: object) -> Any:

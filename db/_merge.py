@@ -10,6 +10,7 @@ from typing import Any, Callable
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from moetune.db._baselines import BaselineRecord
 from moetune.db._copy import IdMap, copy_provenance, copy_winner
 from moetune.db._files import atomic_table, open_table, same_file
 from moetune.db._models import BucketRow, SkuRow, TuningRun, WinnerRow
@@ -87,6 +88,8 @@ class _Candidate:
     winner: WinnerRow
     started_at: datetime.datetime
     ids: IdMap
+    #: The rule variant its speedup is over (``WinnerRecord.tuned_against``).
+    rule: BaselineRecord | None
 
 
 def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
@@ -115,7 +118,8 @@ def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
        started later wins. The times cannot tell the two apart, and the newer run measured
        the newer software.
     2. *Higher speedup over the same rule pick wins*: where both rows were timed against the
-       same rule kernel and params, each side by side in its own run, the higher ``speedup``
+       same rule pick (``BaselineRecord.stands_for`` either way: kernel, params, and the vLLM
+       and configs it stands for), each side by side in its own run, the higher ``speedup``
        wins. The ratio cancels what drifts between machines and days (the same H200 timed
        vLLM's pick at Mixtral-8x7B's 4096 tokens 1.4% faster two days later, so every row of
        the later run looked faster by its median alone). Unless each speedup lies within the
@@ -148,10 +152,10 @@ def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
                              "another file, then move it over the input if that is what you "
                              "want")
     invalid: dict[str, dict[_Key, DroppedRow]] = {}
-    valid = 0
+    rules: dict[str, dict[_Key, BaselineRecord | None]] = {}
     for side, path in sources.items():
-        invalid[side], n = _invalid_winners(path, check)
-        valid += n
+        invalid[side], rules[side] = _read_side(path, check)
+    valid = sum(len(r) for r in rules.values())
     dropped = [d for rows in invalid.values() for d in sorted(rows.values(), key=_order)]
     if dropped and (strict or not valid):
         why = "invalid winners" if strict else "every winner is invalid"
@@ -166,7 +170,7 @@ def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
             side: _candidates(session, side,
                               copy_provenance(session, target,
                                               include_measurements=include_measurements),
-                              invalid[side])
+                              rules[side])
             for side, session in sessions.items()
         }
         winners_a, winners_b = candidates["a"], candidates.get("b", {})
@@ -186,21 +190,22 @@ def merge_tables(a: str | Path, b: str | Path | None, out: str | Path, *,
                        conflicts, dropped)
 
 
-def _invalid_winners(path: str | Path, check: RowCheck | None) -> tuple[
-        dict[_Key, DroppedRow], int]:
-    """The winners of ``path`` that must not be copied, by (SKU, bucket); and how many may."""
+def _read_side(path: str | Path, check: RowCheck | None) -> tuple[
+        dict[_Key, DroppedRow], dict[_Key, BaselineRecord | None]]:
+    """The winners of ``path`` that must not be copied, and the rule variant of each that may,
+    by (SKU, bucket)."""
     snapshot = read_winners(path)
     label = _label(path)
     invalid = {_key(sku, bucket): DroppedRow(label, sku, bucket, why)
                for sku, bucket, why in snapshot.bad_winners}
-    valid = 0
+    rules = {}
     for row in snapshot.rows:
         why = None if check is None else check(row)
         if why is None:
-            valid += 1
+            rules[_key(row.sku, row.bucket)] = row.tuned_against
         else:
             invalid[_key(row.sku, row.bucket)] = DroppedRow(label, row.sku, row.bucket, why)
-    return invalid, valid
+    return invalid, rules
 
 
 def _order(row: DroppedRow) -> tuple[Any, ...]:
@@ -220,21 +225,21 @@ def _label(path: str | Path) -> str:
 
 
 def _candidates(session: Session, side: str, ids: IdMap,
-                invalid: dict[_Key, DroppedRow]) -> dict[tuple[int, int], _Candidate]:
-    """A table's valid winners keyed by the *output's* (sku_id, bucket_id), so both sides
-    align."""
+                rules: dict[_Key, BaselineRecord | None]) -> dict[tuple[int, int], _Candidate]:
+    """A table's valid winners (those in ``rules``) keyed by the *output's* (sku_id,
+    bucket_id), so both sides align."""
     query = (
         select(WinnerRow.id, SkuRow, BucketRow)
         .join(SkuRow, WinnerRow.sku_id == SkuRow.id)
         .join(BucketRow, WinnerRow.bucket_id == BucketRow.id)
     )
-    valid = [i for i, sku, bucket in session.execute(query)
-             if _key(sku.key(), bucket.key()) not in invalid]  # only these convert safely
-    winners = [session.get_one(WinnerRow, i) for i in valid]
+    rows = [(i, _key(sku.key(), bucket.key())) for i, sku, bucket in session.execute(query)]
+    winners = [(session.get_one(WinnerRow, i), key) for i, key in rows
+               if key in rules]  # only these convert safely
     return {
         (ids.skus[w.sku_id], ids.buckets[w.bucket_id]):
-            _Candidate(side, w, session.get_one(TuningRun, w.run_id).started_at, ids)
-        for w in winners
+            _Candidate(side, w, session.get_one(TuningRun, w.run_id).started_at, ids, rules[key])
+        for w, key in winners
     }
 
 
@@ -252,7 +257,8 @@ def _choose(a: _Candidate, b: _Candidate) -> tuple[_Candidate, str | None]:
     if a.started_at != b.started_at and _tied((wa.median_us, (wa.p20_us, wa.p80_us)),
                                               (wb.median_us, (wb.p20_us, wb.p80_us))):
         return _newer(a, b), "newer run; medians within each other's p20-p80 spread"
-    same_rule = (wa.baseline_kernel, wa.baseline_params) == (wb.baseline_kernel, wb.baseline_params)
+    same_rule = (a.rule is not None and b.rule is not None and a.rule.stands_for(b.rule)
+                 and b.rule.stands_for(a.rule))
     if same_rule and wa.speedup and wb.speedup and wa.speedup != wb.speedup:
         range_a, range_b = _speedup_range(wa), _speedup_range(wb)
         if (range_a and range_b and a.started_at != b.started_at

@@ -202,8 +202,8 @@ class WinnerRow(Base):
     baseline_params: Mapped[json_text]
     baseline_us: Mapped[float | None]
     speedup: Mapped[float | None]
-    #: Every rule variant timed beside the winner (JSON list, see ``WinnerRecord.baselines``);
-    #: None for imported rows and for rows from before schema 0003.
+    #: Every rule variant timed beside the winner (``dump_baselines``: ``{"schema": 2,
+    #: "variants": [...]}``); None for imported rows and for rows from before schema 0003.
     baselines: Mapped[str | None] = mapped_column(Text)
     run_id: Mapped[run_fk]
     updated_at: Mapped[utc_time]

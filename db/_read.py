@@ -1,4 +1,4 @@
-"""The read API: a table's winners as plain frozen values.
+"""The read API: a table's winners as plain frozen values (runs and trials: ``_history``).
 
 Nothing here returns ORM objects or keeps a connection open (serving's ``WinnerReader`` holds
 one, and reads with the helpers here). One malformed row is reported, not raised: serving falls
@@ -6,7 +6,6 @@ back for that bucket instead of crashing.
 """
 
 import dataclasses
-import datetime
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,21 +13,12 @@ from typing import Any
 from sqlalchemy import ColumnElement, String, select, type_coerce
 from sqlalchemy.orm import Session
 
+from moetune.db._baselines import SCHEMA1_VLLM, BaselineRecord, Candidate
 from moetune.db._files import open_table
-from moetune.db._schema import file_path, is_url
-from moetune.db._jsontext import load_json
+from moetune.db._jsontext import json_or_none, load_json
+from moetune.db._models import BUCKET_COLUMNS, SKU_COLUMNS, BucketRow, SkuRow, TuningRun, WinnerRow
 from moetune.db._rowcheck import bucket_fault, parse_baselines, winner_fault
-from moetune.db._models import (
-    BUCKET_COLUMNS,
-    SKU_COLUMNS,
-    BucketRow,
-    Measurement,
-    RunStatus,
-    SkuRow,
-    TuningRun,
-    WinnerRow,
-)
-from moetune.db._tuning import process_gone
+from moetune.db._schema import file_path, is_url
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,14 +43,20 @@ class WinnerRecord:
     speedup: float | None
     run_id: int
     source: str = "measured"
-    #: The rule variants timed beside the winner in its confirmation, each a dict with
-    #: ``kernel``, ``params``, ``median_us``, ``p20_us``, ``p80_us``, ``rounds``, ``ratio_lo``,
-    #: ``ratio_hi`` and ``beaten``. Empty for imported rows; rows tuned before schema 0003 have
-    #: the one baseline of the ``baseline_*`` fields (``beaten``: the winner is not it).
-    baselines: tuple[dict[str, Any], ...] = ()
+    #: The rule variants timed beside the winner in its confirmation, the rule where it was
+    #: tuned first (the ``baseline_*`` fields). Empty for imported rows; rows tuned before
+    #: schema 0003 have the one baseline of the ``baseline_*`` fields (``beaten``: the winner
+    #: is not it), standing for the vLLM a schema-1 variant does (``SCHEMA1_VLLM``).
+    baselines: tuple[BaselineRecord, ...] = ()
     #: The versions its run recorded (``runtime.platform.environment``); None when the run's
     #: are unreadable. Serving refuses a measured row timed under other versions.
     environment: dict[str, Any] | None = None
+
+    @property
+    def tuned_against(self) -> BaselineRecord | None:
+        """The rule variant where the row was tuned, which ``speedup`` is over (None for
+        imported rows)."""
+        return self.baselines[0] if self.baselines else None
 
 
 # Core columns, read as plain tuples (no ORM layer in the way), and each distinct JSON text
@@ -191,8 +187,8 @@ def _record(stored: dict[str, Any], sku: dict[str, Any] | None, bucket: dict[str
     except ValueError as e:
         return None, f"params are not a JSON object: {e}"
     try:
-        baselines = _baselines(stored, (stored["kernel"], params),
-                               (stored["baseline_kernel"], baseline_params))
+        baselines = _baselines(stored, Candidate(stored["kernel"], params),
+                               Candidate(stored["baseline_kernel"], baseline_params))
     except ValueError as e:
         return None, f"baselines are not a JSON list of objects: {e}"
     return WinnerRecord(
@@ -216,132 +212,15 @@ def _text(value: Any) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _baselines(stored: dict[str, Any], winner: tuple[str, dict[str, Any]],
-               baseline: tuple[str, dict[str, Any]]) -> tuple[dict[str, Any], ...]:
+def _baselines(stored: dict[str, Any], winner: Candidate,
+               baseline: Candidate) -> tuple[BaselineRecord, ...]:
     """The row's baselines; a row from before schema 0003 has its one ``baseline_*``."""
     if stored["baselines"] is not None:
         return parse_baselines(stored["baselines"])
     if stored["source"] != "measured":
         return ()
-    return ({"kernel": baseline[0], "params": baseline[1], "median_us": stored["baseline_us"],
-             "beaten": winner != baseline},)
-
-
-def read_measurements(
-    path: str | Path, bucket_key: dict[str, Any] | None = None
-) -> list[dict[str, Any]]:
-    """Every trial in a table file, oldest first, as plain dicts for reports.
-
-    Args:
-        path: The table file.
-        bucket_key: Keep only buckets matching these key columns; any subset of the 10 works
-            (``{"num_tokens": 64}``). ``None`` keeps all.
-
-    Returns:
-        Dicts with ``id, run_id, sku, bucket, kernel, params`` (``None`` when its JSON is bad),
-        ``params_json, median_us, p20_us, p80_us, samples, error, status`` (the enum value),
-        ``reason`` and ``created_at`` (ISO 8601, UTC).
-
-    Raises:
-        ValueError: If ``bucket_key`` names a column that is not a bucket key column.
-        TableError: If the file cannot be read as a moetune table.
-    """
-    conditions = []
-    if bucket_key:
-        unknown = sorted(set(bucket_key) - set(BUCKET_COLUMNS))
-        if unknown:
-            raise ValueError(f"unknown bucket columns {unknown}; expected some of {BUCKET_COLUMNS}")
-        for column, value in bucket_key.items():
-            conditions.append(getattr(BucketRow, column) == getattr(value, "value", value))
-    query = (
-        select(Measurement, BucketRow, SkuRow)
-        .join(BucketRow, Measurement.bucket_id == BucketRow.id)
-        .join(TuningRun, Measurement.run_id == TuningRun.id)
-        .join(SkuRow, TuningRun.sku_id == SkuRow.id)
-        .where(*conditions)
-        .order_by(Measurement.id)
-    )
-    with open_table(path) as table, table.session() as session:
-        return [
-            _measurement_dict(m, bucket, sku)
-            for m, bucket, sku in session.execute(query)
-        ]
-
-
-@dataclasses.dataclass(frozen=True)
-class RunRecord:
-    """One tuning run's provenance as plain values (``read_runs``).
-
-    ``environment`` and ``ceilings`` are ``None`` when their stored JSON cannot be parsed;
-    ``ceilings`` also on the CPU and for runs from before schema 0005. Times are naive UTC.
-    ``status`` is as of reading: a run stored as ``running`` whose process on this host is gone
-    reads ``interrupted`` (``process_gone``), as the next write will store it.
-    """
-
-    id: int
-    sku: dict[str, Any]
-    moetune_version: str
-    commit: str | None
-    environment: dict[str, Any] | None
-    driver: str | None
-    host: str
-    command: str
-    started_at: datetime.datetime
-    finished_at: datetime.datetime | None
-    status: str
-    ceilings: dict[str, Any] | None
-
-
-def read_runs(path: str | Path) -> list[RunRecord]:
-    """Every tuning run of a table, oldest first.
-
-    Raises:
-        TableError: If the file cannot be read as a moetune table.
-    """
-    query = select(TuningRun, SkuRow).join(SkuRow, TuningRun.sku_id == SkuRow.id).order_by(
-        TuningRun.id)
-    with open_table(path) as table, table.session() as session:
-        return [RunRecord(
-            id=run.id, sku=sku.key(), moetune_version=run.moetune_version, commit=run.commit,
-            environment=json_or_none(run.environment), driver=run.driver, host=run.host,
-            command=run.command, started_at=run.started_at, finished_at=run.finished_at,
-            status=(RunStatus.INTERRUPTED if process_gone(run) else run.status).value,
-            ceilings=json_or_none(run.ceilings),
-        ) for run, sku in session.execute(query)]
-
-
-def json_or_none(text: str | None,
-                 parse: Callable[[str], dict[str, Any]] = load_json) -> dict[str, Any] | None:
-    """A stored JSON object (read by ``parse``), or None where there is none or it cannot be
-    parsed."""
-    try:
-        return None if text is None else parse(text)
-    except ValueError:
-        return None
-
-
-def _measurement_dict(m: Measurement, bucket: BucketRow, sku: SkuRow) -> dict[str, Any]:
-    try:
-        params: dict[str, Any] | None = load_json(m.params)
-    except ValueError:
-        params = None
-    return {
-        "id": m.id,
-        "run_id": m.run_id,
-        "sku": sku.key(),
-        "bucket": bucket.key(),
-        "kernel": m.kernel,
-        "params": params,
-        "params_json": m.params,
-        "median_us": m.median_us,
-        "p20_us": m.p20_us,
-        "p80_us": m.p80_us,
-        "samples": m.samples,
-        "error": m.error,
-        "status": m.status.value,
-        "reason": m.reason,
-        "created_at": m.created_at.isoformat(),
-    }
+    return (BaselineRecord(baseline, SCHEMA1_VLLM.get(baseline.kernel),
+                           median_us=stored["baseline_us"], beaten=winner != baseline),)
 
 
 def _newest_environment(session: Session, bad_rows: list[str]) -> dict[str, Any]:

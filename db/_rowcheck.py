@@ -15,6 +15,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from moetune.db._baselines import SCHEMA, BaselineRecord, _number, _positive, _short
 from moetune.db._jsontext import load_json
 from moetune.db._models import WINNER_SOURCES, RunStatus
 
@@ -22,7 +23,6 @@ from moetune.db._models import WINNER_SOURCES, RunStatus
 SPEEDUP_RTOL = 1e-6
 #: Rule variants one row may list (a bucket is timed against a handful).
 MAX_BASELINES = 64
-_VARIANT_TIMES = ("median_us", "p20_us", "p80_us")
 _BUCKET_TEXT = frozenset({"dtype", "quant", "activation"})
 _BUCKET_FLAGS = frozenset({"gated", "router_weight_on_input"})
 
@@ -85,27 +85,27 @@ def bucket_fault(bucket: Mapping[str, Any]) -> str | None:
     return None
 
 
-def parse_baselines(text: object) -> tuple[dict[str, Any], ...]:
-    """The rule variants of a row's ``baselines`` column, each checked.
+def parse_baselines(text: object) -> tuple[BaselineRecord, ...]:
+    """The rule variants of a row's ``baselines`` column, each checked
+    (``BaselineRecord.from_json``); text without a ``schema`` key is schema 1.
 
     Raises:
-        ValueError: The text is not ``{"variants": [...]}`` (within ``load_json``'s bounds), or
-            a variant lacks a kernel name or params object, or has a time that is not a finite
-            positive number.
+        ValueError: The text is not ``{"variants": [...]}`` (within ``load_json``'s bounds) of
+            a schema this moetune reads, or a variant is not one (the message names it).
     """
-    variants = load_json(text).get("variants")
+    value = load_json(text)
+    schema, variants = value.get("schema", 1), value.get("variants")
+    if schema not in (1, SCHEMA) or isinstance(schema, bool):
+        raise ValueError(f"schema {_short(schema)} is not one this moetune reads (1 or {SCHEMA})")
     if not isinstance(variants, list) or len(variants) > MAX_BASELINES:
         raise ValueError(f"expected a list of at most {MAX_BASELINES} variants")
+    records = []
     for i, v in enumerate(variants):
-        if not isinstance(v, dict):
-            raise ValueError(f"variant {i} is not an object")
-        if not isinstance(v.get("kernel"), str) or not isinstance(v.get("params"), dict):
-            raise ValueError(f"variant {i} has no kernel name or no params object")
-        for name in _VARIANT_TIMES:
-            if v.get(name) is not None and not _positive(v[name]):
-                raise ValueError(f"variant {i}: {name} is {_short(v[name])}, not a finite "
-                                 "positive number")
-    return tuple(variants)
+        try:
+            records.append(BaselineRecord.from_json(v, schema))
+        except ValueError as e:
+            raise ValueError(f"variant {i}: {e}") from None
+    return tuple(records)
 
 
 def _stamp(value: object, nullable: bool) -> bool:
@@ -117,17 +117,3 @@ def _stamp(value: object, nullable: bool) -> bool:
     except (TypeError, ValueError):
         return False
     return True
-
-
-def _number(value: object) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _positive(value: object) -> bool:
-    return _number(value) and math.isfinite(value) and value > 0  # type: ignore[arg-type]
-
-
-def _short(value: object) -> str:
-    """``value`` as a reason shows it: its repr, cut to 40 characters."""
-    text = repr(value)
-    return text if len(text) <= 40 else text[:37] + "..."

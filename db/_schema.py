@@ -22,7 +22,7 @@ from moetune.db._models import Base
 from moetune.errors import TableError
 
 #: The schema revision this moetune writes; a test checks it equals the newest migration.
-HEAD_REVISION = "0006_readable_intervals"
+HEAD_REVISION = "0007_baseline_vllm"
 
 MIGRATIONS_DIR = Path(__file__).with_name("migrations")
 TABLE_NAMES = frozenset(Base.metadata.tables)

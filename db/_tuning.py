@@ -9,6 +9,7 @@ import datetime
 import math
 import os
 import socket
+from collections.abc import Sequence
 from typing import Any
 
 from sqlalchemy import Select, select
@@ -16,6 +17,7 @@ from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from moetune import __version__
+from moetune.db._baselines import BaselineRecord, dump_baselines
 from moetune.db._jsontext import dump_json
 from moetune.db._models import (
     BUCKET_COLUMNS,
@@ -263,7 +265,7 @@ def set_winner(
     baseline_params: dict[str, Any],
     baseline_us: float | None,
     source: str = "measured",
-    baselines: list[dict[str, Any]] | None = None,
+    baselines: Sequence[BaselineRecord] | None = None,
 ) -> WinnerRow:
     """Insert or replace the winner of (sku, bucket); ``speedup = baseline_us / median_us``.
 
@@ -305,7 +307,7 @@ def set_winner(
     winner.baseline_params = dump_json(baseline_params)
     winner.baseline_us = baseline_us
     winner.speedup = speedup
-    winner.baselines = None if baselines is None else dump_json({"variants": baselines})
+    winner.baselines = None if baselines is None else dump_baselines(baselines)
     winner.run_id = run.id
     winner.updated_at = utcnow()
     session.flush()

@@ -17,10 +17,11 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from moetune.db._baselines import BaselineRecord
 from moetune.db._files import claim_in, open_table, write_table
-from moetune.db._jsontext import load_json
+from moetune.db._jsontext import json_or_none, load_json
 from moetune.db._models import BucketRow, MeasurementStatus, RunStatus, SkuRow, TuningRun
-from moetune.db._read import WinnerRecord, json_or_none, read_winners
+from moetune.db._read import WinnerRecord, read_winners
 from moetune.db._schema import file_path, is_url
 from moetune.db._tuning import (
     add_measurement,
@@ -69,7 +70,7 @@ class WinnerEntry:
     baseline_params: dict[str, Any]
     baseline_us: float | None
     source: str = "measured"
-    baselines: list[dict[str, Any]] | None = None
+    baselines: tuple[BaselineRecord, ...] | None = None
 
 
 class TableWriter:

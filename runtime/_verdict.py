@@ -11,13 +11,12 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
-from moetune.db import WinnerRecord
+from moetune.db import Candidate, WinnerRecord
 from moetune.errors import MoetuneError
-from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import SKU, environment_mismatches
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
-from moetune.runtime.rules import rule_choice
+from moetune.runtime.rules import RuleChoice, rule_choice
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,23 +83,31 @@ def row_verdict(row: WinnerRecord, sku: SKU, registry: Registry = default_regist
                                     f"{'; '.join(mismatches)}): re-confirm this bucket "
                                     "(tune --reconfirm)", problem, stale=True)
     rule = rule_choice(problem, sku)
-    rule_key = params_key(rule.params)
-    measured = next((b for b in row.baselines if b["kernel"] == rule.kernel
-                     and params_key(b["params"]) == rule_key), None)
+    measured = next((b for b in row.baselines if b.stands_for(rule)), None)
     if measured is None:
-        tried = "; ".join(f"{b['kernel']} {params_key(b['params'])}" for b in row.baselines)
-        return RowVerdict(None, f"stale: tuned against {tried or 'no baseline'}, but the rule "
-                                f"here is {rule.kernel} {params_key(rule.params)} "
-                                f"({rule.reason}): re-tune this bucket", problem, stale=True)
-    if row.kernel == rule.kernel and params_key(params) == rule_key:
+        return RowVerdict(None, _stale_reason(row, rule), problem, stale=True)
+    if Candidate(row.kernel, params) == Candidate(rule.kernel, rule.params):
         return RowVerdict(served, "the winner is today's rule's pick", problem)
-    if measured.get("beaten"):
+    if measured.beaten:
         return RowVerdict(served, f"beat today's rule ({rule.kernel})", problem)
     kept = Selection(rule.kernel, rule.params, "table",
                      f"table: the rule's pick is as fast as any candidate at M="
-                     f"{problem.num_tokens}", problem.num_tokens, measured.get("median_us"), 1.0)
+                     f"{problem.num_tokens}", problem.num_tokens, measured.median_us, 1.0)
     return RowVerdict(kept, "today's rule was not beaten: the rule's pick runs", problem,
                       rule_kept=True)
+
+
+def _stale_reason(row: WinnerRecord, rule: RuleChoice) -> str:
+    """Why no baseline of ``row`` is ``rule``: where one ran the rule's kernel and params for
+    another vLLM or configs, re-timing the winner beside today's pick settles it; otherwise
+    the bucket needs a search."""
+    same = next((b for b in row.baselines if b.candidate == Candidate(rule.kernel, rule.params)),
+                None)
+    if same is not None:
+        return f"stale: {same.why_not(rule)}: re-confirm (tune --reconfirm)"
+    tried = "; ".join(str(b.candidate) for b in row.baselines)
+    return (f"stale: tuned against {tried or 'no baseline'}, but the rule here is "
+            f"{Candidate(rule.kernel, rule.params)} ({rule.reason}): re-tune this bucket")
 
 
 def row_problem(row: WinnerRecord, registry: Registry = default_registry) -> str | None:

@@ -23,9 +23,17 @@ from moetune.runtime.vllm.versions import installed
 
 @dataclasses.dataclass(frozen=True)
 class RuleChoice:
+    """What the rule runs, and why. ``vllm``: the vLLM version whose pick it is (None where
+    the pick is moetune's own, or does not change between vLLM releases); ``configs``: the
+    vLLM tuned-config file(s) its config comes from, ``"default"`` for vLLM's default
+    heuristic (None where that does not apply). A row's baseline is this choice when
+    ``BaselineRecord.stands_for`` says so."""
+
     kernel: str
     params: dict[str, Any]
     reason: str
+    vllm: str | None = None
+    configs: str | None = None
 
 
 def cpu_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
@@ -35,7 +43,8 @@ def cpu_rule(problem: MoEProblem, sku: SKU) -> RuleChoice:
     if ok:
         return RuleChoice("vllm_cpu_experts", {},
                           f"CPU rule: vLLM's CPU fused-MoE kernel (isa "
-                          f"{VllmCpuExpertsKernel.isa(problem)}), what vLLM runs here")
+                          f"{VllmCpuExpertsKernel.isa(problem)}), what vLLM runs here",
+                          vllm=installed())
     return RuleChoice("torch_loop", {}, f"CPU rule: plain torch per-expert loop ({why})")
 
 

@@ -23,6 +23,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from moetune import db
 from moetune.runtime.dispatcher import Dispatcher
@@ -51,9 +52,12 @@ def write_rows(path: Path, rows: int) -> None:
             problem = problem_of(i)
             rule = rule_choice(problem, sku)
             bucket = db.get_or_create_bucket(s, **problem.to_row())
-            base = [{"kernel": rule.kernel, "params": rule.params, "median_us": 20.0,
-                     "p20_us": 19.0, "p80_us": 21.0, "rounds": 5, "ratio_lo": 1.9,
-                     "ratio_hi": 2.1, "beaten": True}]
+            base: Any = [{"kernel": rule.kernel, "params": rule.params, "median_us": 20.0,
+                          "p20_us": 19.0, "p80_us": 21.0, "rounds": 5, "ratio_lo": 1.9,
+                          "ratio_hi": 2.1, "beaten": True}]
+            if hasattr(db, "BaselineRecord"):  # typed from schema 0007 on
+                base = (db.BaselineRecord(db.Candidate(rule.kernel, rule.params), rule.vllm,
+                                          rule.configs, 20.0, 19.0, 21.0, 5, 1.9, 2.1, True),)
             # Tables from before schema 0003 have no baselines (``--compare`` runs old code).
             extra = {"baselines": base} if "baselines" in inspect.signature(
                 db.set_winner).parameters else {}

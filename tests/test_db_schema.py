@@ -26,6 +26,7 @@ from moetune.db import (
     start_run,
     write_table,
 )
+from moetune.db._rowcheck import parse_baselines
 from moetune.errors import TableError
 
 from .test_db_helpers import ENVIRONMENT, H200, files_in, tune
@@ -271,10 +272,48 @@ def test_0006_clears_intervals_that_say_nothing_and_keeps_the_rest(tmp_path):
     command.upgrade(alembic_config(path), "head")
     assert schema_revision(path) == HEAD_REVISION
     rows = {r.bucket["num_tokens"]: r for r in read_winners(path).rows}
-    got = [(b["ratio_lo"], b["ratio_hi"]) for b in rows[1].baselines]
+    got = [(b.ratio_lo, b.ratio_hi) for b in rows[1].baselines]
     assert got == [(None, None), (None, None), (None, None), (1.02, 1.13)]
-    assert [b["median_us"] for b in rows[1].baselines] == [15.0] * 4
-    assert [(b["ratio_lo"], b["ratio_hi"]) for b in rows[2].baselines] == [(None, None)]
+    assert [b.median_us for b in rows[1].baselines] == [15.0] * 4
+    assert [(b.ratio_lo, b.ratio_hi) for b in rows[2].baselines] == [(None, None)]
     with sqlite3.connect(path) as connection:
         texts = [t for (t,) in connection.execute("SELECT baselines FROM winner")]
     assert not any("e+231" in t or "Infinity" in t for t in texts)
+
+
+def test_0007_names_the_vllm_each_old_variant_stands_for(tmp_path):
+    """Rows stored before 0007 were timed in vLLM 0.32's days: their ``aiter_triton`` and
+    ``vllm_cpu_experts`` variants stand for vLLM 0.32's pick, the torch loop for none, configs
+    unknown. Times and ``beaten`` are kept, the text becomes schema 2, reading schema-1 text
+    gives what the migration stores, and baselines that are not JSON are left to the reader."""
+    path = _real_table(tmp_path / "t.db")
+    command.downgrade(alembic_config(path), "0006_readable_intervals")
+    old = {"variants": [
+        {"kernel": k, "params": p, "median_us": t, "p20_us": t, "p80_us": t, "rounds": 5,
+         "ratio_lo": 1.1, "ratio_hi": 1.2, "beaten": True, "disturbed": 0}
+        for k, p, t in (("aiter_triton", {"BLOCK_SIZE_M": 16}, 12.0),
+                        ("vllm_cpu_experts", {}, 13.0), ("torch_loop", {}, 40.0))]}
+    text = json.dumps(old)
+    with sqlite3.connect(path) as connection:
+        connection.execute("UPDATE winner SET baselines = ? WHERE id = 1", (text,))
+        connection.execute("UPDATE winner SET baselines = '[1' WHERE id = 2")
+    as_schema_1 = parse_baselines(text)
+    command.upgrade(alembic_config(path), "head")
+    snapshot = read_winners(path)
+    [row] = snapshot.rows
+    assert [(b.kernel, b.vllm, b.configs) for b in row.baselines] == [
+        ("aiter_triton", "0.32.0", None), ("vllm_cpu_experts", "0.32.0", None),
+        ("torch_loop", None, None)]
+    assert [b.median_us for b in row.baselines] == [12.0, 13.0, 40.0]
+    assert all(b.beaten and b.rounds == 5 for b in row.baselines)
+    assert row.baselines == as_schema_1
+    assert len(snapshot.bad_winners) == 1 and "not a JSON list" in snapshot.bad_winners[0][2]
+    with sqlite3.connect(path) as connection:
+        stored = dict(connection.execute("SELECT id, baselines FROM winner"))
+    assert json.loads(stored[1])["schema"] == 2 and stored[2] == "[1"
+
+    command.downgrade(alembic_config(path), "0006_readable_intervals")
+    with sqlite3.connect(path) as connection:
+        downgraded = json.loads(connection.execute(
+            "SELECT baselines FROM winner WHERE id = 1").fetchone()[0])
+    assert downgraded == old

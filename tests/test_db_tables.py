@@ -9,7 +9,9 @@ import pytest
 from sqlalchemy import func, select
 
 from moetune.db import (
+    BaselineRecord,
     BucketRow,
+    Candidate,
     Measurement,
     MeasurementStatus,
     RunStatus,
@@ -48,7 +50,7 @@ def test_round_trip(tmp_path):
         sku=snapshot.skus[0], bucket=bucket_key(num_tokens=1), kernel="triton",
         params={"BLOCK_M": 16, "num_warps": 4}, median_us=8.0, p20_us=7.5, p80_us=8.5,
         error=1e-3, baseline_kernel="rule", baseline_params={}, baseline_us=12.0, speedup=1.5,
-        run_id=1, baselines=({"kernel": "rule", "params": {}, "median_us": 12.0, "beaten": True},),
+        run_id=1, baselines=(BaselineRecord(Candidate("rule", {}), median_us=12.0, beaten=True),),
         environment=ENVIRONMENT,
     )]
     trials = read_measurements(path)

@@ -165,7 +165,7 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
     w, wt, bt = decision.winner, decision.winner_timing, decision.baseline_timing
     winner = db.WinnerEntry(w.kernel, w.params, wt.median_us, wt.p20_us, wt.p80_us, w.error,
                             decision.baseline.kernel, decision.baseline.params, bt.median_us,
-                            baselines=[b.to_row() for b in decision.baselines])
+                            baselines=tuple(b.to_row() for b in decision.baselines))
     writer.publish_bucket(run_id, sku.to_row(), problem.to_row(), [_record(r) for r in fresh],
                           winner, found_by=measured_by.get((w.kernel, params_key(w.params))))
     return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds,
@@ -184,8 +184,7 @@ def _quiet_reference(rows: Iterable[db.WinnerRecord], known: dict[Key, Result], 
     here, bucket = (sku.vendor.value, sku.name, sku.arch), problem.to_row()
     for row in rows:
         if (row.sku["vendor"], row.sku["name"], row.sku["arch"]) == here and row.bucket == bucket:
-            times += [b["median_us"] for b in row.baselines if b.get("median_us")
-                      and (b["kernel"], params_key(b["params"])) == key]
+            times += [b.median_us for b in row.baselines if b.median_us and b.stands_for(rule)]
     return min(times, default=None)
 
 

@@ -9,6 +9,7 @@ import math
 import statistics
 from typing import Any, Iterable
 
+from moetune.db import BaselineRecord, Candidate
 from moetune.errors import TuningError
 from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import SKU
@@ -47,7 +48,8 @@ class Baseline:
     over it, taken round by round over ``rounds`` rounds clean for both (``disturbed`` more were
     left out): ``ratio_lo``-``ratio_hi`` is its confidence interval (``ratio_interval`` at
     ``ALPHA``; ``None`` for both where it says nothing: ``readable_bounds``). ``beaten``: the
-    interval lies above ``1 + MARGIN`` (decided on the unrounded bounds)."""
+    interval lies above ``1 + MARGIN`` (decided on the unrounded bounds). ``vllm`` and
+    ``configs``: the vLLM and configs file the variant stands for (``RuleChoice``)."""
 
     kernel: str
     params: dict[str, Any]
@@ -57,13 +59,15 @@ class Baseline:
     ratio_hi: float | None
     beaten: bool
     disturbed: int = 0
+    vllm: str | None = None
+    configs: str | None = None
 
-    def to_row(self) -> dict[str, Any]:
+    def to_row(self) -> BaselineRecord:
         """The form a winner row stores (``WinnerRecord.baselines``)."""
-        return {"kernel": self.kernel, "params": self.params, "median_us": self.timing.median_us,
-                "p20_us": self.timing.p20_us, "p80_us": self.timing.p80_us,
-                "rounds": self.rounds, "ratio_lo": self.ratio_lo, "ratio_hi": self.ratio_hi,
-                "beaten": self.beaten, "disturbed": self.disturbed}
+        t = self.timing
+        return BaselineRecord(Candidate(self.kernel, self.params), self.vllm, self.configs,
+                              t.median_us, t.p20_us, t.p80_us, self.rounds, self.ratio_lo,
+                              self.ratio_hi, self.beaten, self.disturbed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -132,11 +136,14 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     max_rounds = 4 * rounds if max_rounds is None else max(max_rounds, rounds)
     variants = rule_variants(problem, sku)
     keys = [(v.kernel, params_key(v.params)) for v in variants]
-    bases = [results[keys[0]]] + [results[k] for k in keys[1:] if k in results]
-    if bases[0].status is not Status.OK:
-        raise TuningError(f"{problem.describe()}: baseline {bases[0].kernel} "
-                          f"{bases[0].status.value}: {bases[0].reason}")
-    bases = [b for b in bases if b.status is Status.OK]  # a variant that fails here is no rule
+    pairs = [(v, results[k]) for i, (v, k) in enumerate(zip(variants, keys))
+             if i == 0 or k in results]
+    first = pairs[0][1]
+    if first.status is not Status.OK:
+        raise TuningError(f"{problem.describe()}: baseline {first.kernel} "
+                          f"{first.status.value}: {first.reason}")
+    pairs = [(v, r) for v, r in pairs if r.status is Status.OK]  # one failing here is no rule
+    bases = [r for _, r in pairs]
     ok = sorted((r for r in results.values() if r.status is Status.OK), key=lambda r: r.median_us)
     finalists = bases + [r for r in ok[:top] if all(r is not b for b in bases)]
     timed = _Rounds(measurer, finalists, reps, [b.median_us for b in bases], probe)
@@ -180,12 +187,12 @@ def confirm(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, results:
     else:
         reason = "baseline kept"
     baselines = []
-    for i, b in enumerate(bases):
+    for i, (rule, b) in enumerate(pairs):
         v = timed.interval(best, i, ALPHA)
         lo, hi = v.bounds() or (None, None)
         baselines.append(Baseline(b.kernel, b.params, timed.pooled(i), v.rounds, lo, hi,
                                   i != best and v.above(1 + MARGIN),
-                                  timed.shared(best, i) - v.rounds))
+                                  timed.shared(best, i) - v.rounds, rule.vllm, rule.configs))
     return Decision(finalists[best], timed.pooled(best), tuple(baselines), reason,
                     tuple(results.values()), timed.deciding, timed.retimes, len(finalists))
 

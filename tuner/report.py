@@ -23,9 +23,10 @@ from moetune.tuner.timing import interval_text
 
 
 def winner_dicts(snapshot: db.TableSnapshot, sku: SKU) -> list[dict[str, Any]]:
-    """One flat dict per winner row (``moetune show --json``), with whether serving on ``sku``
-    here, under these versions, uses it (``served``) and why (``served_reason``); unreadable
-    rows have ``bad_row``."""
+    """One flat dict per winner row (``moetune show --json``), with the vLLM whose pick its
+    speedup is over (``baseline_vllm``), and whether serving on ``sku`` here, under these
+    versions, uses it (``served``) and why (``served_reason``); unreadable rows have
+    ``bad_row``."""
     rows = []
     here = environment()
     for r in snapshot.rows:
@@ -34,8 +35,9 @@ def winner_dicts(snapshot: db.TableSnapshot, sku: SKU) -> list[dict[str, Any]]:
                      "kernel": r.kernel, "params": r.params, "median_us": r.median_us,
                      "p20_us": r.p20_us, "p80_us": r.p80_us, "error": r.error,
                      "baseline_kernel": r.baseline_kernel, "baseline_params": r.baseline_params,
-                     "baseline_us": r.baseline_us, "speedup": r.speedup, "run_id": r.run_id,
-                     "source": r.source, "baselines": list(r.baselines),
+                     "baseline_us": r.baseline_us, "speedup": r.speedup,
+                     "baseline_vllm": _tuned_vllm(r), "run_id": r.run_id, "source": r.source,
+                     "baselines": [b.to_json() for b in r.baselines],
                      "served": verdict.selection is not None, "served_reason": verdict.reason})
     return rows + [{"bad_row": bad, "served": False, "served_reason": bad}
                    for bad in snapshot.bad_rows]
@@ -45,7 +47,7 @@ def winners_table(snapshot: db.TableSnapshot, sku: SKU) -> Table:
     skus = ", ".join(f"{s['vendor']}:{s['name']} ({s['arch']})" for s in snapshot.skus)
     table = Table(title=f"{snapshot.path} — {skus or 'empty'}; served here ({sku.label()})?")
     for col in ("shape", "tokens", "winner", "params", "time us", "baseline", "base us",
-                "speedup", "rel err", "served here"):
+                "speedup", "over vLLM", "rel err", "served here"):
         table.add_column(col, justify="right" if col in ("tokens", "time us", "base us",
                                                          "speedup", "rel err") else "left")
     here = environment()
@@ -55,10 +57,17 @@ def winners_table(snapshot: db.TableSnapshot, sku: SKU) -> Table:
         table.add_row(_shape_label(r.bucket), str(r.bucket["num_tokens"]), r.kernel,
                       json.dumps(r.params, sort_keys=True) if r.params else "-",
                       _num(r.median_us, ".1f"), r.baseline_kernel, _num(r.baseline_us, ".1f"),
-                      _num(r.speedup, ".2f", "x"), _num(r.error, ".1e"), served)
+                      _num(r.speedup, ".2f", "x"), _tuned_vllm(r) or "-", _num(r.error, ".1e"),
+                      served)
     for bad in snapshot.bad_rows:
-        table.add_row("[red]rejected[/red]", "", bad, "", "", "", "", "", "", "[red]no[/red]")
+        table.add_row("[red]rejected[/red]", "", bad, "", "", "", "", "", "", "", "[red]no[/red]")
     return table
+
+
+def _tuned_vllm(row: db.WinnerRecord) -> str | None:
+    """The vLLM version whose pick the row's speedup is over; None where it is over no
+    vLLM's (the torch loop) or the row was imported."""
+    return row.tuned_against.vllm if row.tuned_against else None
 
 
 def speedup_markdown(snapshot: db.TableSnapshot, sku: SKU) -> str:
@@ -77,21 +86,20 @@ def speedup_markdown(snapshot: db.TableSnapshot, sku: SKU) -> str:
         for r in shape_rows:
             problem = MoEProblem.from_row(r.bucket)
             rule = rule_choice(problem, sku)
-            pick = next((b for b in r.baselines if b["kernel"] == rule.kernel
-                         and b["params"] == rule.params), None)
+            pick = next((b for b in r.baselines if b.stands_for(rule)), None)
             others = [b for b in r.baselines if b is not pick]
             verdict = row_verdict(r, sku)
-            if pick is not None and pick.get("median_us") and r.median_us:
-                gains.append(pick["median_us"] / r.median_us)
+            if pick is not None and pick.median_us and r.median_us:
+                gains.append(pick.median_us / r.median_us)
             lines.append("| {} | {} | {} | {} | {} | {} | {} | {} |".format(
                 r.bucket["num_tokens"], r.kernel, _num(r.median_us, ".1f"),
                 rule.reason.split(" with ")[-1],
-                _num(pick and pick.get("median_us"), ".1f"),
-                "-" if pick is None or not r.median_us else
-                f"{pick['median_us'] / r.median_us:.3f}x ("
-                f"{interval_text(pick.get('ratio_lo'), pick.get('ratio_hi'), pick.get('rounds'))})",
-                "; ".join(f"{b['median_us']:.1f}, {b['median_us'] / r.median_us:.3f}x"
-                          for b in others if b.get("median_us") and r.median_us) or "-",
+                _num(pick and pick.median_us, ".1f"),
+                "-" if pick is None or not pick.median_us or not r.median_us else
+                f"{pick.median_us / r.median_us:.3f}x ("
+                f"{interval_text(pick.ratio_lo, pick.ratio_hi, pick.rounds)})",
+                "; ".join(f"{b.median_us:.1f}, {b.median_us / r.median_us:.3f}x"
+                          for b in others if b.median_us and r.median_us) or "-",
                 "yes" if verdict.selection is not None else f"no: {verdict.reason}"))
         if gains:
             lines += ["", f"Geomean speedup over vLLM's pick: {geometric_mean(gains):.3f}x "

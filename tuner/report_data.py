@@ -17,9 +17,8 @@ from typing import Any
 
 from moetune import db
 from moetune.runtime.dispatcher import row_verdict
-from moetune.runtime.kernels.base import params_key
 from moetune.runtime.platform import SKU, Vendor
-from moetune.runtime.rules import rule_variants
+from moetune.runtime.rules import RuleChoice, rule_variants
 from moetune.tuner.presets import PRESETS
 from moetune.tuner.roofline import Ceilings, Floors, floors_us
 from moetune.tuner.timing import interval_text, readable_bounds
@@ -98,7 +97,7 @@ class BucketView:
         """The best ok time known to the search: ``[0]`` the rule's variants (every search
         starts from them, wherever they were stored), then after each other timed trial in
         the order stored. Pruned configurations cost no trial and are left out."""
-        rule = {(b["kernel"], params_key(b["params"])) for b in self.row.baselines}
+        rule = {b.candidate.key for b in self.row.baselines}
 
         def key(t: dict[str, Any]) -> tuple[str, str]:
             return t["kernel"], t["params_json"]
@@ -292,27 +291,23 @@ def _bucket_view(row: db.WinnerRecord, trials: list[dict[str, Any]], ceilings: C
     else:
         status = RowStatus.SERVED
     problem = verdict.problem
-    labels = {}
-    if problem is not None:
-        labels = {(v.kernel, params_key(v.params)): _variant_label(v.reason)
-                  for v in rule_variants(problem, sku)}
-    variants = [_variant(b, row, labels) for b in row.baselines]
+    rules = rule_variants(problem, sku) if problem is not None else ()
+    variants = [_variant(b, row, rules, i == 0) for i, b in enumerate(row.baselines)]
     floors = floors_us(problem, ceilings) if problem is not None and ceilings else None
     return BucketView(row, status, verdict.reason, variants[0] if variants else None,
                       tuple(variants[1:]), floors, tuple(trials), tuning_s)
 
 
-def _variant(b: dict[str, Any], row: db.WinnerRecord, labels: dict[tuple, str]) -> Variant:
-    label = labels.get((b["kernel"], params_key(b["params"])),
-                       f"{b['kernel']} {params_key(b['params'])} (not a rule variant here)")
-    us = b.get("median_us")
-    speedup = us / row.median_us if us and row.median_us else None
-    if (b["kernel"], params_key(b["params"])) == (row.baseline_kernel,
-                                                  params_key(row.baseline_params)):
-        speedup = row.speedup  # the table's own number for the rule where it was tuned
-    rounds = b.get("rounds")
-    lo, hi = readable_bounds(b.get("ratio_lo"), b.get("ratio_hi"), rounds) or (None, None)
-    return Variant(label, us, speedup, lo, hi, rounds)
+def _variant(b: db.BaselineRecord, row: db.WinnerRecord, rules: tuple[RuleChoice, ...],
+             tuned: bool) -> Variant:
+    """``b`` as the report shows it, named as the rule variant it stands for here;
+    ``tuned``: it is the rule where the row was tuned, whose speedup the row stores."""
+    label = next((_variant_label(v.reason) for v in rules if b.stands_for(v)),
+                 f"{b.candidate} (not a rule variant here)")
+    us = b.median_us
+    speedup = row.speedup if tuned else us / row.median_us if us and row.median_us else None
+    lo, hi = readable_bounds(b.ratio_lo, b.ratio_hi, b.rounds) or (None, None)
+    return Variant(label, us, speedup, lo, hi, b.rounds)
 
 
 def _variant_label(reason: str) -> str:

@@ -11,7 +11,7 @@ from typing import Any, ClassVar, Protocol
 
 import torch
 
-from moetune.db import dump_json
+from moetune.db import params_key as params_key  # the key tables store params by
 from moetune.errors import InvalidParamsError
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
@@ -282,10 +282,3 @@ def invalid_params(declared: tuple[Param, ...], params: dict[str, Any]) -> str |
         if value not in allowed or isinstance(value, bool) != isinstance(allowed[0], bool):
             return f"{name}={value!r} not in {list(allowed)}"
     return None
-
-
-def params_key(params: dict[str, Any]) -> str:
-    """Canonical JSON of a parameter set, as tables store it (``db.dump_json``): the identity
-    used for de-duplication and storage."""
-    return dump_json(params)
-

