@@ -64,6 +64,9 @@ def test_show_prints_grid_and_json(tiny_table):
     rows = [json.loads(line) for line in lines]
     assert sorted(r["num_tokens"] for r in rows) == [1, 16, 64]
     assert {"kernel", "params", "median_us", "baseline_us", "speedup", "error"} <= set(rows[0])
+    rule = rule_choice(preset("tiny").shape.problem(1), detect_sku("cpu"))
+    assert {r["baseline_vllm"] for r in rows} == {rule.vllm}  # whose pick the speedup is over
+    assert "over vLLM" in grid.output and (rule.vllm or "-") in grid.output
 
 
 def test_lookup_tuned_and_untuned_shapes(tiny_table):

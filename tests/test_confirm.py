@@ -125,9 +125,10 @@ def test_a_disturbed_round_is_left_out_timed_again_and_recorded(small_problem, c
     decision = confirm(small_problem, cpu_sku, script, _results(rule, ["fast"]))
     assert decision.winner.kernel == "fast" and decision.rounds == 6 and decision.retimes == 12
     row = decision.baseline.to_row()
-    assert row["rounds"] == 5 and row["disturbed"] == 1 and row["beaten"]
-    assert row["ratio_lo"] == pytest.approx(2.0) and row["ratio_hi"] == pytest.approx(2.0)
-    assert row["median_us"] == 100.0  # the disturbed round moves no recorded time either
+    assert row.rounds == 5 and row.disturbed == 1 and row.beaten
+    assert row.ratio_lo == pytest.approx(2.0) and row.ratio_hi == pytest.approx(2.0)
+    assert row.median_us == 100.0  # the disturbed round moves no recorded time either
+    assert row.stands_for(rule_choice(small_problem, cpu_sku))  # its vLLM and configs too
 
 
 @pytest.mark.parametrize(("faster", "wins"), [(0.005, False), (0.02, True)])
@@ -351,8 +352,7 @@ def test_the_quiet_reference_is_the_rules_fastest_time_in_the_tables_history(tin
     rule = rule_choice(problem, cpu_sku)
     key = (rule.kernel, params_key(rule.params))
     [row] = [r for r in rows if r.bucket["num_tokens"] == 16]
-    recorded = min(b["median_us"] for b in row.baselines
-                   if (b["kernel"], params_key(b["params"])) == key)
+    recorded = min(b.median_us for b in row.baselines if b.stands_for(rule))
     assert _quiet_reference(rows, {}, cpu_sku, problem) == recorded
     faster = Result(rule.kernel, rule.params, Status.OK, Timing(recorded / 2, 1, 1, 1, "x"))
     assert _quiet_reference(rows, {key: faster}, cpu_sku, problem) == recorded / 2

@@ -1,15 +1,19 @@
 """``export_sqlite`` and ``merge_tables`` on real table files."""
 
 import os
+import sqlite3
 
 import pytest
 from sqlalchemy import func, select
 
 from moetune.db import (
     HEAD_REVISION,
+    BaselineRecord,
+    Candidate,
     Measurement,
     SkuRow,
     TuningRun,
+    dump_baselines,
     export_sqlite,
     merge_tables,
     open_table,
@@ -118,6 +122,21 @@ def test_merge_higher_speedup_over_the_same_rule_wins_over_a_faster_median(tmp_p
     assert _winners(out) == {("H200", 64): ("better", 12.0)}
 
 
+def test_speedups_over_different_vllms_picks_are_not_compared(tmp_path):
+    """The same kernel and config as two vLLM releases' picks is two baselines: a speedup over
+    vLLM 0.32's says nothing against one over 0.34's, so the medians decide."""
+    a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
+    tune(a, kernel="fast_day", median=10.0, spread=0.5, baseline=11.0)  # 1.10x
+    tune(b, kernel="better", median=12.0, spread=0.5, baseline=18.0)  # 1.50x
+    for path, us, vllm in ((a, 11.0, "0.34.0"), (b, 18.0, "0.32.0")):
+        text = dump_baselines([BaselineRecord(Candidate("rule", {}), vllm, median_us=us,
+                                              beaten=True)])
+        with sqlite3.connect(path) as con:
+            con.execute("UPDATE winner SET baselines = ?", (text,))
+    [conflict] = merge_tables(a, b, out, check=None).conflicts
+    assert (conflict.winner, conflict.reason) == ("a", "faster median")
+
+
 def test_merge_speedups_within_each_others_spread_are_a_tie_the_newer_run_wins(tmp_path):
     a, b, out = tmp_path / "a.db", tmp_path / "b.db", tmp_path / "out.db"
     # Medians apart (a slower day), speedups 1.50x and 1.47x: each within the range the other's
@@ -212,8 +231,6 @@ def test_a_winner_needs_a_known_source_and_a_measured_one_its_times(tmp_path):
 # --- invalid winners ----------------------------------------------------------------------------
 def _edit(path, num_tokens, assignment):
     """Break one winner in place, as a hand edit or a bug elsewhere would."""
-    import sqlite3
-
     with sqlite3.connect(path) as con:
         con.execute(f"UPDATE winner SET {assignment} WHERE bucket_id = "
                     "(SELECT id FROM bucket WHERE num_tokens = ?)", (num_tokens,))

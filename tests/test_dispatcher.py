@@ -235,6 +235,31 @@ def test_shipped_h100_table_serves_its_presets_with_vllms_configs_as_the_rule(mo
     assert "E=128,N=192,device_name=NVIDIA_H100_80GB_HBM3.json" in rule.reason
 
 
+def test_rows_timed_against_another_vllms_pick_are_stale_naming_both(tiny_table, cpu_sku,
+                                                                     monkeypatch):
+    """The CPU rule is the installed vLLM's kernel: a row timed against it under another vLLM
+    minor release proves nothing about this one's, and the reason says re-confirm; a patch
+    release picks the same, so its rows serve."""
+    from moetune.db import minor_version, read_winners
+    from moetune.runtime.dispatcher import row_verdict
+    from moetune.runtime.vllm import versions
+
+    rows = read_winners(tiny_table).rows
+    rule = rule_choice(preset("tiny").shape.problem(1), cpu_sku)
+    if rule.vllm is None:
+        pytest.skip(f"the CPU rule here is no vLLM's pick ({rule.reason})")
+    timed = minor_version(rule.vllm)
+    assert all(r.tuned_against.vllm == rule.vllm for r in rows)
+    monkeypatch.setattr(versions, "installed", lambda: f"{timed}.99")
+    assert all(row_verdict(r, cpu_sku).selection is not None for r in rows)
+    monkeypatch.setattr(versions, "installed", lambda: "0.99.0")
+    for row in rows:
+        verdict = row_verdict(row, cpu_sku)
+        assert verdict.stale and verdict.reason == (
+            f"stale: timed against vLLM {timed}'s pick, the rule here is vLLM 0.99's: "
+            "re-confirm (tune --reconfirm)")
+
+
 def test_rows_are_stale_where_todays_rule_is_not_among_their_baselines(monkeypatch, tmp_path):
     """A row that was never timed against the rule here proves nothing against it: not served,
     the reason says re-tune; one whose winner lost to today's rule serves the rule's pick."""

@@ -36,7 +36,7 @@ def corrupt(tiny_table, path, assignment, num_tokens=16):
 
 CORRUPT_ROWS = {
     "baseline_without_kernel": ("""baselines = '{"variants":[{"params":{}}]}'""",
-                                "variant 0 has no kernel name"),
+                                "variant 0: no kernel name"),
     "dangling_sku": ("sku_id = 99", "its SKU 99 does not exist"),
     "dangling_run": ("run_id = 99", "its run 99 does not exist"),
     "dangling_bucket": ("bucket_id = 99", "its bucket 99 does not exist"),

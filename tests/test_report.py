@@ -3,6 +3,7 @@ and the ceilings a tuning run records for the floors."""
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import html.parser
 import re
@@ -38,9 +39,8 @@ def invoke(*args):
 
 def _baselines(problem, sku, median, times, beaten=True):
     """Rows as a tuning run stores them: every rule variant here, timed beside the winner."""
-    return [{"kernel": v.kernel, "params": v.params, "median_us": t, "p20_us": t * 0.98,
-             "p80_us": t * 1.02, "rounds": 5, "ratio_lo": t / median * 0.99,
-             "ratio_hi": t / median * 1.01, "beaten": beaten}
+    return [db.BaselineRecord(db.Candidate(v.kernel, v.params), v.vllm, v.configs, t, t * 0.98,
+                              t * 1.02, 5, t / median * 0.99, t / median * 1.01, beaten)
             for v, t in zip(rule_variants(problem, sku), times)]
 
 
@@ -77,18 +77,18 @@ def table(tmp_path_factory) -> Path:
                                    status, None if us else "cannot run")
             baselines = _baselines(problem, sku, median, (median * 1.3, median * 4))
             if m == 16:
-                baselines = [{"kernel": "aiter_triton", "params": {"BLOCK_SIZE_M": 16},
-                              "median_us": 50.0, "ratio_lo": 1.2, "ratio_hi": 1.3,
-                              "rounds": 5, "beaten": True}]
+                baselines = [db.BaselineRecord(db.Candidate("aiter_triton", {"BLOCK_SIZE_M": 16}),
+                                               median_us=50.0, rounds=5, ratio_lo=1.2,
+                                               ratio_hi=1.3, beaten=True)]
             db.set_winner(s, sku_row, bucket, measured, kernel, {}, median, median * 0.99,
-                          median * 1.01, 1e-3, baselines[0]["kernel"], baselines[0]["params"],
-                          baselines[0]["median_us"], baselines=baselines)
+                          median * 1.01, 1e-3, baselines[0].kernel, baselines[0].params,
+                          baselines[0].median_us, baselines=baselines)
         bucket = db.get_or_create_bucket(s, **FP32.to_row())
         db.add_measurement(s, plain, bucket, "torch_grouped", {}, 29.0, 28.0, 30.0, 5, 1e-6,
                            "ok", None)
         baselines = _baselines(FP32, sku, 29.0, (30.0, 90.0), beaten=False)
         db.set_winner(s, sku_row, bucket, plain, "torch_grouped", {}, 29.0, 28.0, 30.0, 1e-6,
-                      baselines[0]["kernel"], baselines[0]["params"], 30.0, baselines=baselines)
+                      baselines[0].kernel, baselines[0].params, 30.0, baselines=baselines)
         db.finish_run(s, measured, db.RunStatus.FINISHED)
         db.finish_run(s, plain, db.RunStatus.FINISHED)
     with sqlite3.connect(path) as con:  # buckets written 10 s apart, as a job writes them
@@ -188,7 +188,7 @@ def test_report_files_figures_and_numbers_equal_the_table(table, rendered):
         assert f"{r.speedup:.3f}x" in [text for text, _, _, _ in cells]
         assert cells[1][0] == r.kernel
         for other in r.baselines[1:]:  # the other rule variants (vLLM's kernel, the torch loop)
-            assert other["median_us"] in values and other["median_us"] / r.median_us in values
+            assert other.median_us in values and other.median_us / r.median_us in values
     assert sorted(by_m) == [1, 4, 16, 64]
 
     shapes = {cells[0][0]: cells for cells in parsed.tables["shapes"] if cells}
@@ -347,9 +347,10 @@ def test_the_first_screen_says_what_is_gained_and_later_runs_collapse(tmp_path):
         problem = TINY.problem(1)
         bucket = db.get_or_create_bucket(s, **problem.to_row())
         baselines = _baselines(problem, sku, 10.0, (13.0, 40.0))
-        baselines[0].update(rounds=2, ratio_lo=1.2e-3, ratio_hi=2e231)
+        baselines[0] = dataclasses.replace(baselines[0], rounds=2, ratio_lo=1.2e-3,
+                                           ratio_hi=2e231)
         db.set_winner(s, sku_row, bucket, runs[0], "torch_grouped", {}, 10.0, 9.9, 10.1, 1e-3,
-                      baselines[0]["kernel"], baselines[0]["params"], 13.0, baselines=baselines)
+                      baselines[0].kernel, baselines[0].params, 13.0, baselines=baselines)
         for run in runs:
             db.finish_run(s, run, db.RunStatus.FINISHED)
         killed.pid = dead.pid
