@@ -241,8 +241,8 @@ def test_rows_timed_against_another_vllms_pick_are_stale_naming_both(tiny_table,
     minor release proves nothing about this one's, and the reason says re-confirm; a patch
     release picks the same, so its rows serve."""
     from moetune.db import minor_version, read_winners
+    from moetune.runtime import rules
     from moetune.runtime.dispatcher import row_verdict
-    from moetune.runtime.vllm import versions
 
     rows = read_winners(tiny_table).rows
     rule = rule_choice(preset("tiny").shape.problem(1), cpu_sku)
@@ -250,9 +250,9 @@ def test_rows_timed_against_another_vllms_pick_are_stale_naming_both(tiny_table,
         pytest.skip(f"the CPU rule here is no vLLM's pick ({rule.reason})")
     timed = minor_version(rule.vllm)
     assert all(r.tuned_against.vllm == rule.vllm for r in rows)
-    monkeypatch.setattr(versions, "installed", lambda: f"{timed}.99")
+    monkeypatch.setattr(rules, "installed", lambda: f"{timed}.99")
     assert all(row_verdict(r, cpu_sku).selection is not None for r in rows)
-    monkeypatch.setattr(versions, "installed", lambda: "0.99.0")
+    monkeypatch.setattr(rules, "installed", lambda: "0.99.0")
     for row in rows:
         verdict = row_verdict(row, cpu_sku)
         assert verdict.stale and verdict.reason == (
