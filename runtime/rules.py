@@ -75,8 +75,10 @@ def cuda_variants(problem: MoEProblem, sku: SKU) -> tuple[RuleChoice, ...]:
     may run (``vllm_config_variants``), its pick first."""
     ok, why = VllmTritonKernel.supports(problem, sku)
     if ok:
+        configs = configs_label(problem, sku)
         return (RuleChoice("vllm_triton", {}, f"CUDA rule: vLLM {installed()}'s own Triton "
-                                              f"fused-MoE path ({configs_label(problem, sku)})"),)
+                                              f"fused-MoE path ({configs})", vllm=installed(),
+                           configs=configs),)
     emulated, reason = AiterTritonKernel.supports(problem, sku)
     if not emulated:
         return (RuleChoice("torch_loop", {}, f"CUDA rule: torch loop ({why}; {reason})"),)

@@ -15,12 +15,12 @@ from moetune.runtime.kernels.torch_dense import TorchDenseKernel
 from moetune.runtime.dispatcher import row_verdict
 from moetune.runtime.platform import environment
 from moetune.runtime.problem import MoEProblem
-from moetune.runtime.registry import KERNEL_PATHS, Registry
+from moetune.runtime.registry import KERNEL_PATHS, Registry, default_registry
 from moetune.runtime.rules import rule_choice, rule_variants
 from moetune.tuner.confirm import confirm
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.measure import Measurer, Status
-from moetune.tuner.bucket import _known_results, _neighbour_winners
+from moetune.tuner.bucket import _earlier_variants, _known_results, _neighbour_winners
 from moetune.tuner.search import search
 
 
@@ -609,3 +609,24 @@ def test_source_commit_names_the_checkout_and_marks_modified_files(tmp_path):
     assert source_commit(tmp_path / "scripts") == head
     (tmp_path / "kernel.py").write_text("A = 2\n")
     assert source_commit(tmp_path) == f"{head}+modified"
+
+
+def test_a_reconfirmed_row_keeps_the_variants_it_did_not_time_while_its_winner_stands(cpu_sku):
+    """Re-confirming against today's rule keeps the earlier row's other variants (another
+    vLLM's pick, measured then) where the winner is unchanged, so machines whose rule is one of
+    them keep serving the row; a new winner drops them (their verdicts were on the old one)."""
+    problem = MoEProblem(8, 64, 96, 8, 2, dtype="float32")
+    rule = rule_choice(problem, cpu_sku)
+    old = db.BaselineRecord(db.Candidate(rule.kernel, rule.params), "0.31.0", None, 90.0,
+                            beaten=True)
+    timed = (db.BaselineRecord(db.Candidate(rule.kernel, rule.params), rule.vllm, rule.configs,
+                               100.0),)
+    winner = db.Candidate("torch_dense", {"chunk_tokens": 512})
+    row = db.WinnerRecord(cpu_sku.to_row(), problem.to_row(), winner.kernel, winner.params, 50.0,
+                          49.0, 51.0, 0.0, rule.kernel, rule.params, 90.0, 1.8, 1,
+                          baselines=(old, *timed))
+    assert _earlier_variants([row], cpu_sku, problem, default_registry, winner, timed) == (old,)
+    other = db.Candidate("torch_grouped", {})
+    assert _earlier_variants([row], cpu_sku, problem, default_registry, other, timed) == ()
+    elsewhere = dataclasses.replace(row, bucket=problem.with_tokens(16).to_row())
+    assert _earlier_variants([elsewhere], cpu_sku, problem, default_registry, winner, timed) == ()

@@ -167,3 +167,16 @@ def test_the_rule_kernel_matches_vllms_fused_experts_and_the_reference(quant, nu
     assert isinstance(qc, vc.FusedMoEQuantConfig)
     assert relative_error(ours, theirs) < 1e-2
     assert relative_error(ours, reference) < (6e-2 if quant.is_fp8 else 2e-2)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not HAS_CUDA_PATH, reason="needs an NVIDIA GPU with vLLM's CUDA ops loaded: "
+                    f"{vllm_triton_mod.vllm_triton()[1]}")
+def test_on_the_gpu_the_rule_is_vllms_own_path_naming_its_version_and_configs():
+    from moetune.runtime.platform import detect_sku
+
+    sku = detect_sku("cuda")
+    problem = MoEProblem(64, 2048, 768, 128, 8, "bfloat16")
+    rule = rule_choice(problem, sku)
+    assert (rule.kernel, rule.params, rule.vllm) == ("vllm_triton", {}, installed())
+    assert rule.configs == configs.configs_label(problem, sku)

@@ -163,9 +163,12 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                "timing": sum(r.timing_s for r in fresh),
                "confirm": end - confirming, "total": end - start}
     w, wt, bt = decision.winner, decision.winner_timing, decision.baseline_timing
+    timed = tuple(b.to_row() for b in decision.baselines)
+    kept = (_earlier_variants(rows, sku, problem, registry, db.Candidate(w.kernel, w.params), timed)
+            if again else ())
     winner = db.WinnerEntry(w.kernel, w.params, wt.median_us, wt.p20_us, wt.p80_us, w.error,
                             decision.baseline.kernel, decision.baseline.params, bt.median_us,
-                            baselines=tuple(b.to_row() for b in decision.baselines))
+                            baselines=timed + kept)
     writer.publish_bucket(run_id, sku.to_row(), problem.to_row(), [_record(r) for r in fresh],
                           winner, found_by=measured_by.get((w.kernel, params_key(w.params))))
     return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds,
@@ -201,6 +204,25 @@ def _table_winner(rows: Iterable[db.WinnerRecord], sku: SKU, problem: MoEProblem
         if point is not None and point[0] == problem:
             return row.run_id, row.kernel, point[1]
     return None
+
+
+def _earlier_variants(rows: Iterable[db.WinnerRecord], sku: SKU, problem: MoEProblem,
+                      registry: Registry, winner: db.Candidate,
+                      timed: tuple[db.BaselineRecord, ...]) -> tuple[db.BaselineRecord, ...]:
+    """The variants of the bucket's earlier row that this re-confirmation did not time (another
+    vLLM's pick, the emulation where vLLM is absent), kept as that row measured them where the
+    winner is still that row's winner: a machine whose rule is one of them keeps serving the
+    row as before. Where the winner changed, their verdicts were on another kernel: dropped."""
+    here, bucket = (sku.vendor.value, sku.name, sku.arch), problem.to_row()
+    for row in rows:
+        if ((row.sku["vendor"], row.sku["name"], row.sku["arch"]) != here
+                or row.bucket != bucket or row.source != "measured"):
+            continue
+        point = row_point(row, registry)
+        if point is None or db.Candidate(row.kernel, point[1]) != winner:
+            return ()
+        return tuple(b for b in row.baselines if not any(t.stands_for(b) for t in timed))
+    return ()
 
 
 def _record(r: Result) -> db.MeasurementRecord:
