@@ -23,7 +23,7 @@ from sqlalchemy.exc import SQLAlchemyError
 
 from moetune import db
 from moetune.errors import TuningError
-from moetune.runtime.platform import SKU, environment
+from moetune.runtime.platform import SKU, Vendor, environment
 from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import Registry, default_registry
 from moetune.tuner.bucket import BucketOptions, BucketOutcome, Lane, tune_bucket
@@ -131,14 +131,17 @@ def run_job(problems: Iterable[MoEProblem], output: Path | str, sku: SKU, opts: 
     to ``output`` are serialized (they go through one ``db.TableWriter``). A bucket whose
     baseline fails is reported in its outcome and the job goes on; the run is marked failed if
     any bucket failed. The run records the device's ceilings, ``measure_ceilings(first
-    device)`` (measured on CUDA, none on the CPU). ``probe`` (default: a ``StreamProbe``) is
-    read first here, at the job's start, and beside every confirmation round: without history
-    it is each bucket's reference for load that lasts (``confirm``).
+    device)`` (measured on CUDA, none on the CPU). On the CPU ``probe`` (default: a
+    ``StreamProbe``) is read first here, at the job's start, and beside every confirmation
+    round: without history it is each bucket's reference for load that lasts (``confirm``).
     """
     _check_storage(opts.optuna_storage)
     ceilings = _ceilings(measure_ceilings, opts.lanes[0])
-    probe = StreamProbe() if probe is None else probe
-    probe()  # its fastest piece from a start before any of the job's own work
+    if sku.vendor is Vendor.CPU:
+        probe = StreamProbe() if probe is None else probe
+        probe()  # its fastest piece from a start before any of the job's own work
+    else:  # host load does not slow a GPU's graph replays: a probe could only refuse wrongly
+        probe = None
     writer = db.TableWriter(output)
     run_id = writer.start_run(sku.to_row(), environment=environment(), command=_command_line(),
                               commit=source_commit(),
