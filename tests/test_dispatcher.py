@@ -195,16 +195,21 @@ H100 = SKU(Vendor.NVIDIA, "H100_80GB_HBM3", "sm_90", 132, 85017493504)
 H100_PRESETS = SHIPPED_PRESETS
 
 
-def _assert_h100_table_serves_its_presets() -> None:
+#: Re-confirmed against vLLM 0.34's own path on an H100 (2026-12-07), these buckets' winners no
+#: longer beat it: they went back to vLLM's pick, timed against vLLM 0.34 alone.
+H100_BACK_TO_VLLM = {("deepseek-v3", 24), ("deepseek-v3", 48), ("deepseek-v3", 64)}
+
+
+def _h100_table() -> Dispatcher:
     import moetune.runtime
     from moetune.runtime.dispatcher import shipped_table
 
     path = shipped_table(H100)
     assert path == Path(moetune.runtime.__file__).parent / "tables" / "nvidia_H100_80GB_HBM3.db"
-    d = Dispatcher.load(path, H100, check_environment=False)
-    _assert_serves_every_preset_bucket(d, H100, H100_PRESETS)
-    assert not any(d.select(preset(name).shape.problem(m)).rule_pick
-                   for name in H100_PRESETS for m in DEFAULT_BUCKETS)
+    return Dispatcher.load(path, H100, check_environment=False)
+
+
+def _assert_other_shapes_run_the_rule(d: Dispatcher) -> None:
     mixtral = preset("mixtral-8x7b").shape
     assert {d.select(mixtral.problem(m)).kernel for m in (512, 4096)} == {"moetune_grouped_mm"}
     mixtral_tp2 = dataclasses.replace(mixtral, intermediate_size=7168).problem(64)
@@ -212,27 +217,59 @@ def _assert_h100_table_serves_its_presets() -> None:
     assert other.source != "table" and (other.kernel, other.params) == (rule.kernel, rule.params)
 
 
-def test_shipped_h100_table_serves_its_presets_and_leaves_other_shapes_to_the_rule(monkeypatch):
-    """Tuned on an H100 80GB HBM3 for the five presets (all 18 buckets each) against vLLM's
-    default config: every bucket is served from the table, Mixtral's prefill by the
-    grouped-GEMM kernel; a shape without rows (Mixtral at TP2) runs vLLM's pick."""
+def _as_vllm_034_on_cuda(monkeypatch) -> None:
+    """The rule as a CUDA host with vLLM 0.34 has it: vLLM's own path (``vllm_triton``)."""
+    from moetune.runtime import rules
+    from moetune.runtime.kernels.vllm_triton import VllmTritonKernel
+
+    monkeypatch.setattr(VllmTritonKernel, "_supports_device",
+                        classmethod(lambda cls, problem, sku: None))
+    monkeypatch.setattr(rules, "installed", lambda: "0.34.0")
+
+
+def test_shipped_h100_table_serves_every_bucket_where_the_rule_is_vllm_034s_path(monkeypatch):
+    """Re-confirmed on an H100 against vLLM 0.34's own path: where that is the rule, every
+    bucket of the five presets is served from the table, and the three whose winner no longer
+    beat vLLM run vLLM's pick; a shape without rows runs vLLM's pick too."""
+    _as_vllm_034_on_cuda(monkeypatch)
+    d = _h100_table()
+    _assert_serves_every_preset_bucket(d, H100, H100_PRESETS)
+    assert {(name, m) for name in H100_PRESETS for m in DEFAULT_BUCKETS
+            if d.select(preset(name).shape.problem(m)).rule_pick} == H100_BACK_TO_VLLM
+    assert rule_choice(preset("deepseek-v3").shape.problem(64), H100).kernel == "vllm_triton"
+    _assert_other_shapes_run_the_rule(d)
+
+
+def test_a_vllm_033_host_is_not_served_rows_confirmed_against_vllm_034(monkeypatch):
+    """vLLM 0.33's own path is another baseline: none of the rows was timed against it."""
+    _as_vllm_034_on_cuda(monkeypatch)
+    from moetune.runtime import rules
+
+    monkeypatch.setattr(rules, "installed", lambda: "0.33.1")
+    d = _h100_table()
+    assert len(d.status.rejected_rows) == 90
+    assert all("vLLM 0.34's pick, the rule here is vLLM 0.33's" in line
+               for line in d.status.rejected_rows)
+
+
+def test_shipped_h100_table_keeps_serving_where_vllms_path_is_emulated(monkeypatch):
+    """Without vLLM's CUDA path (the rule: its emulation, with vLLM's default config), the
+    rows whose winner stood keep the emulation's variants measured earlier and are served; the
+    three that went back to vLLM's pick were timed against vLLM 0.34 alone and are stale (their
+    calls take the nearest served bucket's row)."""
     from moetune.runtime.vllm import configs as vllm_configs
 
     monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
     monkeypatch.setattr(vllm_configs, "shipped_folder", lambda: None)  # rule: default config
-    _assert_h100_table_serves_its_presets()
-
-
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed")
-def test_shipped_h100_table_serves_its_presets_with_vllms_configs_as_the_rule(monkeypatch):
-    """Qwen3-235B TP8's rows were timed against vLLM's H100 file for it too (vLLM ships none
-    for the other four shapes), so the table serves with vLLM's tuned files as the rule too."""
-    from moetune.runtime.vllm import configs as vllm_configs
-
-    monkeypatch.setenv("VLLM_TUNED_CONFIG_FOLDER", str(vllm_configs.shipped_folder()))
-    _assert_h100_table_serves_its_presets()
-    rule = rule_choice(preset("qwen3-235b-a22b").shape.problem(64), H100)
-    assert "E=128,N=192,device_name=NVIDIA_H100_80GB_HBM3.json" in rule.reason
+    d = _h100_table()
+    assert d.status.rows == 87 and len(d.status.rejected_rows) == len(H100_BACK_TO_VLLM)
+    for name in H100_PRESETS:
+        for m in DEFAULT_BUCKETS:
+            pick = d.select(preset(name).shape.problem(m))
+            # a bucket without a usable row takes its nearest neighbour's, as any table's
+            assert pick.source == "table" and (pick.bucket == m) == (
+                (name, m) not in H100_BACK_TO_VLLM), (name, m)
+    _assert_other_shapes_run_the_rule(d)
 
 
 def test_rows_timed_against_another_vllms_pick_are_stale_naming_both(tiny_table, cpu_sku,

@@ -72,7 +72,7 @@ def _params(name: str, problem: MoEProblem) -> dict:
         return default
     if name == "aiter_triton_e2e":
         return E2E
-    if name in ("torch_scaled_grouped", "moetune_grouped_mm"):
+    if name in ("torch_scaled_grouped", "moetune_grouped_mm", "vllm_triton"):
         return {}
     if name == "moetune_decode":
         return default_registry.get(name).seed_params(problem, H200)
@@ -132,7 +132,9 @@ def test_rule_kernel_runs_every_scheme_on_this_gpu(gpu_sku):
     """The baseline of every CUDA bucket must never silently fall back to the torch loop."""
     for problem in _problems():
         choice = rule_choice(problem, gpu_sku)
-        assert choice.kernel == "aiter_triton", (problem.describe(), choice.reason)
+        own = default_registry.get("vllm_triton").supports(problem, gpu_sku)[0]
+        want = "vllm_triton" if own else "aiter_triton"  # vLLM's path, else its emulation
+        assert choice.kernel == want, (problem.describe(), choice.reason)
 
 
 @cuda
@@ -272,12 +274,16 @@ def test_shared_memory_constraint_drops_what_cannot_compile():
     assert 0 < kept < 1920
 
 
-def test_cuda_rule_picks_the_triton_kernel_with_vllms_config():
-    """On a (described) H200 the rule is aiter_triton with vLLM's config: its tuned file where
-    the installed vLLM ships one (or VLLM_TUNED_CONFIG_FOLDER has one), else its default. aiter
-    and triton are test requirements, so aiter's Triton modules load here and on the GPU."""
+def test_cuda_rule_emulation_picks_the_triton_kernel_with_vllms_config(monkeypatch):
+    """Where vLLM's own path cannot run, the rule on a (described) H200 is aiter_triton with
+    vLLM's config: its tuned file where the installed vLLM ships one (or
+    VLLM_TUNED_CONFIG_FOLDER has one), else its default. aiter and triton are test
+    requirements, so aiter's Triton modules load here and on the GPU."""
+    from moetune.runtime.kernels.vllm_triton import VllmTritonKernel
     from moetune.runtime.vllm.configs import tuned_config
 
+    monkeypatch.setattr(VllmTritonKernel, "_supports_device",
+                        classmethod(lambda cls, problem, sku: "vLLM's CUDA ops are not here"))
     problem = MoEProblem(256, 4096, 14336, 8, 2)
     choice = rule_choice(problem, H200)
     assert choice.kernel == "aiter_triton", choice.reason

@@ -165,7 +165,10 @@ def test_the_rule_kernel_matches_vllms_fused_experts_and_the_reference(quant, nu
     theirs = fused_moe.fused_experts(x, weights.w13, weights.w2, topk_weights, topk_ids,
                                      apply_router_weight_on_input=on_input, quant_config=qc)
     assert isinstance(qc, vc.FusedMoEQuantConfig)
-    assert relative_error(ours, theirs) < 1e-2
+    # Both are vLLM's kernel; fp8 block layers differ in where the activations are quantized
+    # (the modular kernel's prepare step, or fused_experts' own call): two 4-bit roundings.
+    assert relative_error(ours, theirs) < (3e-2 if quant is QuantScheme.FP8_BLOCK_128X128
+                                           else 1e-2)
     assert relative_error(ours, reference) < (6e-2 if quant.is_fp8 else 2e-2)
 
 
