@@ -23,7 +23,6 @@ SHA-256), so the unpacker knows when it has all of them.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import lzma
 import shutil
@@ -35,6 +34,7 @@ import zipfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
+from vllm_device_unpack import sha256  # noqa: E402
 from vllm_sources import sources  # noqa: E402
 
 #: vLLM 0.34's import closure beyond the GPU image (torch, triton, numpy, rich, typer, ...).
@@ -96,14 +96,6 @@ def split(path: Path, limit: int) -> list[Path]:
             chunks.append(chunk)
     path.unlink()
     return chunks
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def main() -> None:
