@@ -1,5 +1,6 @@
-"""Pack what running a vLLM release's MoE path on a machine without its wheel needs, in parts
-that each fit one transfer, for ``scripts/vllm_device_unpack.py`` to assemble there.
+"""Pack what running a vLLM release's MoE path (or, with ``--engine``, its offline engine) on a
+machine without its wheel needs, in parts that each fit one transfer, for
+``scripts/vllm_device_unpack.py`` to assemble there.
 
 The GPU machine has torch, Triton and CUDA but no package index, and cannot install vLLM's CUDA
 wheel (it pins another torch, and is 240-340 MB). vLLM's compiled ops are built against torch's
@@ -13,10 +14,16 @@ environment like the image's, bench/results/vllm-import-closure-2026-12-07). The
 * ``_C_stable_libtorch.abi3.so.xz`` and ``_moe_C_stable_libtorch.abi3.so.xz``: the compiled
   ops (59 and 26 MB), split into chunks where one exceeds a part.
 
+``--engine`` adds what ``vllm.LLM`` (the offline engine, with Triton attention) imports beyond
+that on CUDA (bench/results/vllm-engine-closure-2026-12-07): the wheels ``ENGINE_DEPS`` (7 MB)
+and ``vllm_flash_attn/_vllm_fa3_C.abi3.so.xz`` (``ENGINE_OPS``), because
+``vllm.model_executor.layers.attention`` imports ``vllm.vllm_flash_attn``, which raises
+ImportError on CUDA unless one of its compiled libraries loads, whichever attention backend runs.
+
 Each part folder holds its pieces and ``manifest.json`` (every piece of every part with its
 SHA-256), so the unpacker knows when it has all of them.
 
-    python scripts/vllm_device_pack.py 0.34.0 --out .vllm-pack --part-mb 46
+    python scripts/vllm_device_pack.py 0.34.0 --out .vllm-pack --part-mb 46 [--engine]
     # -> .vllm-pack/p1 .. pN: carry one per call, then run vllm_device_unpack.py on it
 """
 
@@ -49,6 +56,17 @@ DEPS = (
     "urllib3", "uvloop", "xgrammar==0.2.8", "yarl",
 )
 OPS = ("_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so")
+#: What vLLM 0.34's offline engine imports beyond ``DEPS`` and the image: ``vllm.entrypoints.llm``
+#: imports FastAPI (its pooling mixin) and the OpenAI and harmony chat types at module level;
+#: anyio and typing-extensions at the versions those need (the image's are not known to be).
+ENGINE_DEPS = (
+    "anyio>=4.10.0,<5", "fastapi>=0.133.0,<0.137.0", "jiter>=0.16.0,<1", "openai>=2.25.0",
+    "oss-harmony>=0.0.11", "sniffio", "starlette>=1.0.1", "typing-extensions>=4.16.0",
+)
+#: Flash-attention's Hopper library: only for ``vllm.vllm_flash_attn`` to import (its
+#: ``__init__`` raises without FA2 or FA3); Triton attention runs none of it. FA3 rather than
+#: FA2: 25 MB compressed against 65, and both import only stable-ABI libtorch symbols.
+ENGINE_OPS = ("vllm_flash_attn/_vllm_fa3_C.abi3.so",)
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64")
@@ -61,11 +79,11 @@ def pip_download(dest: Path, *what: str) -> None:
                     *flags, "-d", str(dest), *what], check=True)
 
 
-def pieces(version: str, work: Path) -> list[Path]:
-    """Every file to carry, built in ``work``."""
+def pieces(version: str, work: Path, engine: bool = False) -> list[Path]:
+    """Every file to carry, built in ``work``; ``engine`` adds what the offline engine needs."""
     deps = work / "deps"
     deps.mkdir()
-    pip_download(deps, *DEPS)
+    pip_download(deps, *DEPS, *(ENGINE_DEPS if engine else ()))
     src = work / "src.tar.xz"
     with tarfile.open(src, "w:xz", preset=9) as tar:
         tar.add(sources(version), arcname=".",
@@ -75,8 +93,9 @@ def pieces(version: str, work: Path) -> list[Path]:
     (wheel,) = wheel_dir.glob("vllm-*.whl")
     out = sorted(deps.iterdir()) + [src]
     with zipfile.ZipFile(wheel) as zf:
-        for name in OPS:
+        for name in OPS + (ENGINE_OPS if engine else ()):
             packed = work / f"{name}.xz"
+            packed.parent.mkdir(parents=True, exist_ok=True)
             with zf.open(f"vllm/{name}") as raw, lzma.open(packed, "wb", preset=9) as xz:
                 shutil.copyfileobj(raw, xz, 1 << 24)
             out.append(packed)
@@ -103,11 +122,13 @@ def main() -> None:
     parser.add_argument("version")
     parser.add_argument("--out", type=Path, default=Path(".vllm-pack"))
     parser.add_argument("--part-mb", type=float, default=46.0)
+    parser.add_argument("--engine", action="store_true",
+                        help="also what vllm.LLM needs on CUDA (ENGINE_DEPS, ENGINE_OPS)")
     args = parser.parse_args()
     limit = int(args.part_mb * 1e6)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        files = [c for p in pieces(args.version, work) for c in split(p, limit)]
+        files = [c for p in pieces(args.version, work, args.engine) for c in split(p, limit)]
         parts: list[list[Path]] = []
         for f in sorted(files, key=lambda p: -p.stat().st_size):  # first fit, largest first
             size = f.stat().st_size
@@ -116,16 +137,21 @@ def main() -> None:
             if home is None:
                 parts.append(home := [])
             home.append(f)
-        manifest = {"version": args.version, "parts": len(parts),
+        manifest = {"version": args.version, "engine": args.engine, "parts": len(parts),
                     "pieces": {str(f.relative_to(work)): sha256(f) for f in files}}
         shutil.rmtree(args.out, ignore_errors=True)
+        total = 0
         for i, part in enumerate(parts, 1):
             folder = args.out / f"p{i}"
             for f in part:
                 (folder / f.relative_to(work)).parent.mkdir(parents=True, exist_ok=True)
                 shutil.move(f, folder / f.relative_to(work))
             (folder / "manifest.json").write_text(json.dumps(manifest, indent=1))
-            print(f"{folder}: {sum(f.stat().st_size for f in folder.rglob('*')) / 1e6:.1f} MB")
+            size = sum(f.stat().st_size for f in folder.rglob("*") if f.is_file())
+            total += size
+            print(f"{folder}: {size / 1e6:.1f} MB")
+        print(f"{len(parts)} parts, {total / 1e6:.1f} MB in all ({len(files)} pieces"
+              f"{', with the engine' if args.engine else ''})")
 
 
 if __name__ == "__main__":

@@ -2,8 +2,10 @@
 
 Each call moves the part it was given into ``--stage`` (kept while the machine is); once every
 piece named in the manifest is there with its SHA-256, it installs the dependency wheels and
-the sources into ``--site``, rebuilds the compiled ops beside them, and prints ``ready``. Then
-``PYTHONPATH=<site>`` imports that vLLM. Uses only the standard library and pip.
+the sources into ``--site``, rebuilds the compiled ops beside them (``vllm/<path>`` for a piece
+``<path>.xz``), and prints ``ready``. Then ``PYTHONPATH=<site>`` imports that vLLM. A site
+assembled from another pack (the MoE path only, then ``--engine``) is assembled again. Uses only
+the standard library and pip.
 
     python3 scripts/vllm_device_unpack.py .vllm-pack/p1 --stage /tmp/vllm-stage --site /tmp/vllm-site
 """
@@ -30,13 +32,13 @@ def sha256(path: Path) -> str:
 
 
 def assemble(stage: Path, site: Path, manifest: dict) -> None:
-    wheels = sorted(str(p) for p in (stage / "deps").glob("*.whl"))
+    wheels = sorted(str(stage / p) for p in manifest["pieces"] if p.startswith("deps/"))
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
                     "--no-compile", "--upgrade", "--target", str(site), *wheels], check=True)
     with tarfile.open(stage / "src.tar.xz") as tar:
         tar.extractall(site, filter="tar")
     for packed in sorted({p.split(".xz")[0] for p in manifest["pieces"] if ".so.xz" in p}):
-        chunks = sorted(stage.glob(packed + ".xz*"))
+        chunks = [stage / p for p in sorted(manifest["pieces"]) if p.split(".xz")[0] == packed]
         with (site / "vllm" / packed).open("wb") as out, _Joined(chunks) as f:
             shutil.copyfileobj(f, out, 1 << 24)
 
@@ -85,10 +87,13 @@ def main() -> None:
         print(f"waiting for {len(missing)} of {len(manifest['pieces'])} pieces "
               f"({', '.join(sorted(missing)[:4])}...)")
         return
-    if not (args.site / ".ready").exists():
+    ready = args.site / ".ready"  # holds the digest of the pack it was assembled from
+    digest = hashlib.sha256(json.dumps(manifest["pieces"], sort_keys=True).encode()).hexdigest()
+    if not ready.exists() or ready.read_text() != digest:
         assemble(args.stage, args.site, manifest)
-        (args.site / ".ready").touch()
-    print(f"ready: vLLM {manifest['version']} in {args.site}")
+        ready.write_text(digest)
+    what = "with its offline engine" if manifest.get("engine") else "(MoE path)"
+    print(f"ready: vLLM {manifest['version']} {what} in {args.site}")
 
 
 if __name__ == "__main__":

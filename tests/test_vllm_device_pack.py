@@ -1,0 +1,100 @@
+"""The vLLM pack and unpack scripts round trip: pieces in parts, split where one exceeds a part,
+assembled into a site (compiled libraries in their folders), assembled again for another pack.
+
+No download: the pieces are small stand-ins, and pip's install of the wheels is skipped."""
+
+from __future__ import annotations
+
+import io
+import lzma
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "scripts"))
+import vllm_device_pack as pack  # noqa: E402
+import vllm_device_unpack as unpack  # noqa: E402
+
+
+def _sources(path: Path) -> None:
+    with tarfile.open(path, "w:xz") as tar:
+        for name in ("vllm/__init__.py", "vllm/vllm_flash_attn/__init__.py"):
+            info = tarfile.TarInfo(name)
+            info.size = 1
+            tar.addfile(info, io.BytesIO(b"\n"))
+
+
+def _libraries(engine: bool) -> dict[str, bytes]:
+    names = pack.OPS + (pack.ENGINE_OPS if engine else ())
+    return {name: os.urandom(3000 + 100 * i) for i, name in enumerate(names)}  # incompressible
+
+
+def _pack(tmp: Path, out: Path, engine: bool, monkeypatch: pytest.MonkeyPatch) -> dict:
+    libraries = _libraries(engine)
+
+    def pieces(version: str, work: Path, engine: bool = False) -> list[Path]:
+        (work / "deps").mkdir()
+        (work / "deps" / "a-1-py3-none-any.whl").write_bytes(b"wheel")
+        _sources(work / "src.tar.xz")
+        made = sorted((work / "deps").iterdir()) + [work / "src.tar.xz"]
+        for name, data in libraries.items():
+            packed = work / f"{name}.xz"
+            packed.parent.mkdir(parents=True, exist_ok=True)
+            packed.write_bytes(lzma.compress(data))
+            made.append(packed)
+        return made
+
+    monkeypatch.setattr(pack, "pieces", pieces)
+    argv = ["pack", "0.34.0", "--out", str(out), "--part-mb", "0.002"] + ["--engine"] * engine
+    monkeypatch.setattr(sys, "argv", argv)
+    pack.main()
+    return libraries
+
+
+def _unpack(part: Path, tmp: Path, monkeypatch: pytest.MonkeyPatch,
+            capsys: pytest.CaptureFixture[str]) -> str:
+    monkeypatch.setattr(sys, "argv", ["unpack", str(part), "--stage", str(tmp / "stage"),
+                                      "--site", str(tmp / "site")])
+    unpack.main()
+    return capsys.readouterr().out
+
+
+@pytest.fixture
+def no_pip(monkeypatch: pytest.MonkeyPatch) -> list[list[str]]:
+    calls: list[list[str]] = []
+    monkeypatch.setattr(unpack.subprocess, "run",
+                        lambda cmd, **kw: calls.append(cmd) or subprocess.CompletedProcess(cmd, 0))
+    return calls
+
+
+@pytest.mark.parametrize("engine", [False, True])
+def test_round_trip(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                    capsys: pytest.CaptureFixture[str], no_pip: list, engine: bool) -> None:
+    libraries = _pack(tmp_path, tmp_path / "pack", engine, monkeypatch)
+    printed = capsys.readouterr().out
+    parts = sorted((tmp_path / "pack").iterdir())
+    assert len(parts) > len(libraries)  # each library exceeds a part: split into chunks
+    assert f"{len(parts)} parts" in printed
+    for part in parts[:-1]:
+        assert "waiting for" in _unpack(part, tmp_path, monkeypatch, capsys)
+    done = _unpack(parts[-1], tmp_path, monkeypatch, capsys)
+    assert "ready: vLLM 0.34.0" in done and ("offline engine" in done) == engine
+    for name, data in libraries.items():
+        assert (tmp_path / "site" / "vllm" / name).read_bytes() == data
+    assert len(no_pip) == 1 and no_pip[0][-1].endswith("a-1-py3-none-any.whl")
+
+
+def test_other_pack_assembles_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                    capsys: pytest.CaptureFixture[str], no_pip: list) -> None:
+    for engine, out in ((False, "moe"), (True, "engine")):
+        _pack(tmp_path, tmp_path / out, engine, monkeypatch)
+        for part in sorted((tmp_path / out).iterdir()):
+            _unpack(part, tmp_path, monkeypatch, capsys)
+    assert len(no_pip) == 2  # the MoE-only site, then the engine's over it
+    assert (tmp_path / "site" / "vllm" / pack.ENGINE_OPS[0]).exists()
+    _unpack(sorted((tmp_path / "engine").iterdir())[0], tmp_path, monkeypatch, capsys)
+    assert len(no_pip) == 2  # the same pack again: nothing to do
