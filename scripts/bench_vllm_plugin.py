@@ -31,7 +31,9 @@ import timeit
 from pathlib import Path
 from types import SimpleNamespace
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).parent))
+from vllm_bench_common import ROOT, commit, machine, run_child  # noqa: E402
+
 BATCH, PROMPT_LEN, MAX_TOKENS, REPEATS = 8, 32, 64, 5
 HOOK_PAIRS = 50_000  # hooked / vLLM's own call pairs timed per process
 
@@ -134,13 +136,7 @@ def hook_cost(llm, prompts, params) -> dict[str, float]:
 
 
 def engine(model: Path, out: Path, compiled: bool, **env: str) -> dict:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("MOETUNE_")} | env
-    proc = subprocess.run([sys.executable, __file__, "--child", str(model), str(out),
-                           str(int(compiled))], env=full, capture_output=True, text=True,
-                          check=False)
-    if proc.returncode:
-        sys.exit(f"engine run failed ({env}):\n{proc.stderr[-4000:]}")
-    return json.loads(out.read_text())
+    return run_child(__file__, [str(model), str(out), str(int(compiled))], out, **env)
 
 
 def dispatch_overhead(table: Path, shape) -> dict[str, float]:
@@ -265,25 +261,6 @@ calls it):
 | `Dispatcher.select` on a hit (memoized; no longer called per MoE call) | {overhead['select_hit_ns']:.0f} |
 {overhead_rows(overhead)}
 """
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in
-                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    mem = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
-    return f"{cpu}, {os.cpu_count()} cores, {mem:.0f} GiB, Python {platform.python_version()}"
-
-
-def commit() -> str:
-    def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=ROOT, capture_output=True, text=True,
-                              check=False).stdout.strip()
-    return git("rev-parse", "HEAD") + (" plus uncommitted changes" if git("status", "--porcelain")
-                                       else "")
 
 
 def main() -> None:
