@@ -13,8 +13,9 @@ gives every weight seeded random values, so nothing is downloaded; scaled here s
 differ, see ``scaled``); there is no tokenizer
 (``skip_tokenizer_init``), so prompts are random token ids, the same in every process. Each
 engine runs in its own process (engine core and worker in it: ``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
-``uni`` executor), ``enforce_eager`` (``--compiled``: vLLM's default torch.compile and CUDA
-graphs), prefix caching off, Triton attention on CUDA, with
+``uni`` executor), on CUDA with vLLM's default torch.compile and CUDA graphs (``--eager``:
+``enforce_eager``, the CPU's default), ``max_num_seqs`` the largest batch of the cases (so CUDA
+graphs are captured for the sizes the run uses), prefix caching off, Triton attention on CUDA, with
 ``MOETUNE_MODE=off`` or ``lookup`` (``--table``, else the table the plugin picks for the GPU);
 one process of each mode per round, in shuffled order. In each process, after a warm-up of every
 case (8 output tokens):
@@ -26,7 +27,13 @@ case (8 output tokens):
   (``--latency-lengths PROMPT/OUTPUT``), each the median of ``--repeats``; time per output token
   = (t_OUTPUT - t_1) / (OUTPUT - 1), the prefill left out;
 * a greedy check: 8 prompts of 64 tokens, 32 output tokens with their log-probabilities, compared
-  across all processes (off with off shows the engine's own run-to-run differences).
+  across all processes (off with off shows the engine's own run-to-run differences);
+* with ``--profile`` (CUDA), the GPU time of every kernel in two windows under torch's profiler
+  (a decode window: the largest batch of 128-token prompts generating 64 tokens; a prefill
+  window: that many 1000-token prompts generating 1): vLLM's experts kernels by name give the
+  MoE share of the off process's GPU time; the lookup process's MoE time is its GPU time less
+  the off process's other kernels (the same model and batch), so the end-to-end gain can be
+  checked against the per-layer speedup it implies.
 
 Writes a Markdown report (``--out``) and every process's raw results (``--json``).
 """
@@ -83,6 +90,16 @@ PRESETS: dict[str, tuple[dict, str]] = {
 }
 CHECK_REQUESTS, CHECK_PROMPT, CHECK_OUTPUT = 8, 64, 32
 WARMUP_OUTPUT = 8
+#: Lines of the plugin's log kept per process (its startup line, then one per MoE layer).
+PLUGIN_LINES = 8
+#: The profiled windows: (prompt, output) lengths for the largest batch of the cases.
+PROFILE_WINDOWS = {"decode": (128, 64), "prefill": (1000, 1)}
+#: Names of the kernels vLLM's ``TritonExperts.apply`` launches (the part moetune serves): its
+#: Triton GEMM, the align/sort and top-k sum of ``_moe_C``, the activation of ``_C``, and the
+#: activation quantization of fp8 layers. The router (top-k softmax) stays vLLM's either way.
+VLLM_EXPERTS_KERNELS = ("fused_moe_kernel", "moe_align_block_size", "count_and_sort_expert",
+                        "moe_sum", "act_and_mul_kernel", "per_token_group_quant",
+                        "scaled_fp8_quant", "dynamic_per_token_scaled_fp8_quant")
 
 
 def write_model(preset: str, folder: Path, layers: int | None, dtype: str) -> dict:
@@ -139,7 +156,7 @@ def child(spec_path: str, out: str) -> None:
     kwargs = dict(model=spec["model"], load_format="dummy", skip_tokenizer_init=True,
                   enforce_eager=spec["eager"], dtype=spec["dtype"], seed=0,
                   max_model_len=spec["max_model_len"], enable_prefix_caching=False,
-                  distributed_executor_backend="uni")
+                  max_num_seqs=spec["max_num_seqs"], distributed_executor_backend="uni")
     if spec["device"] == "cuda":
         kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
     if spec["attention"]:
@@ -186,11 +203,46 @@ def child(spec_path: str, out: str) -> None:
               "logprobs": [lp[t].logprob for t, lp in zip(x.outputs[0].token_ids,
                                                            x.outputs[0].logprobs)]}
              for x in outputs]
+    profiles = {}
+    if spec["profile"]:
+        batch = max(n for _, _, n in spec["cases"])
+        for window, (p, o) in PROFILE_WINDOWS.items():
+            prompts = token_prompts(batch, p, vocab, seed=2000 + p)
+            run(prompts, o)
+            profiles[window] = kernel_times(lambda: run(prompts, o))
     device = (torch.cuda.get_device_name() if spec["device"] == "cuda" else "cpu")
     Path(out).write_text(json.dumps({
         "mode": os.environ.get("MOETUNE_MODE"), "startup_s": startup_s, "device": device,
         "vllm": vllm.__version__, "torch": torch.__version__, "throughput": throughput,
-        "latency": latency, "check": check, "stats": serving.stats()}))
+        "latency": latency, "check": check, "profile": profiles, "stats": serving.stats()}))
+
+
+PROFILE_NOTE = ("Windows: `decode`, the largest batch of 128-token prompts generating 64 tokens; "
+                "`prefill`, as many 1000-token prompts generating 1. vLLM's experts kernels are "
+                "those named in `VLLM_EXPERTS_KERNELS`; the lookup process's MoE time is its GPU "
+                "time less the off process's other kernels (the same model, batch and lengths).")
+
+
+def kernel_times(work: Callable[[], object]) -> dict[str, float]:
+    """GPU time (µs) per kernel name while ``work`` runs, under torch's profiler (CUDA graphs'
+    kernels included). The engine runs in this process, so its kernels are all seen."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        work()
+        torch.cuda.synchronize()
+    times: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            times[event.name] = times.get(event.name, 0.0) + event.device_time_total
+    return times
+
+
+def moe_split(times: dict[str, float]) -> tuple[float, float]:
+    """(vLLM's experts kernels, everything else) of a profile, in µs."""
+    moe = sum(t for name, t in times.items() if any(k in name for k in VLLM_EXPERTS_KERNELS))
+    return moe, sum(times.values()) - moe
 
 
 def compare(a: list[dict], b: list[dict]) -> dict:
@@ -252,6 +304,24 @@ def latency_rows(by_mode: dict[str, list[dict]]) -> list[str]:
     return rows
 
 
+def profile_rows(by_mode: dict[str, list[dict]]) -> list[str]:
+    """One row per profiled window and process pair: the off process's GPU time and its experts
+    kernels' share, the lookup process's GPU time, the MoE time that implies (its GPU time less
+    the off process's other kernels) and so the MoE speedup, and the end-to-end speedup of GPU
+    time."""
+    rows = []
+    for off, lookup in zip(by_mode["off"], by_mode["lookup"]):
+        for window in off.get("profile", {}):
+            moe, other = moe_split(off["profile"][window])
+            total_off = (moe + other) / 1e3
+            total_lookup = sum(lookup["profile"][window].values()) / 1e3
+            moe_lookup = total_lookup - other / 1e3
+            rows.append(f"| {window} | {total_off:.1f} | {moe / 1e3:.1f} "
+                        f"({moe / (moe + other):.1%}) | {total_lookup:.1f} | {moe_lookup:.1f} | "
+                        f"{moe / 1e3 / moe_lookup:.3f}x | {total_off / total_lookup:.3f}x |")
+    return rows
+
+
 def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str) -> str:
     """The Markdown report of all processes (``runs``, in the order they ran)."""
     by_mode = {m: [r for r in runs if r["mode"] == m] for m in ("off", "lookup")}
@@ -275,8 +345,8 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
     startup = ", ".join(f"{r['startup_s']:.0f}" for r in runs)
     nl = "\n"
     weights = "" if args.vllm_dummy_weights else ", scaled to variance 1/fan-in, norms about 1"
-    execution = ("vLLM's default compilation and CUDA graphs" if args.compiled
-                 else "`enforce_eager`")
+    execution = ("`enforce_eager`" if args.eager
+                 else "vLLM's default compilation and CUDA graphs")
     return f"""# vLLM end to end with and without moetune: {args.preset}, {first['device']}
 
 - date: {today}
@@ -308,6 +378,20 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
 | process | mode | requests with the same tokens | first differing positions | largest log-prob difference before them |
 | --- | --- | --- | --- | --- |
 {checks}
+
+## Where the GPU time goes (`--profile`; ms of kernel time in each window, per round)
+
+{PROFILE_NOTE}
+
+| window | off: GPU time | off: vLLM's experts kernels (share) | lookup: GPU time | lookup: MoE time implied | MoE speedup implied | GPU time off / lookup |
+| --- | --- | --- | --- | --- | --- | --- |
+{nl.join(profile_rows(by_mode)) or "| - | not profiled | | | | | |"}
+
+## The plugin's log (first lines of the first process of each mode)
+
+```
+{nl.join(line for m in ("off", "lookup") for line in by_mode[m][0].get("plugin_log", []))}
+```
 
 ## The plugin's counters (lookup processes, whole run)
 
@@ -345,8 +429,11 @@ def main() -> None:
     parser.add_argument("--attention", help="attention backend (default TRITON_ATTN on cuda)")
     parser.add_argument("--vllm-dummy-weights", action="store_true", help="vLLM's +-1e-3 "
                         "weights as they are (default: scaled, see scaled())")
-    parser.add_argument("--compiled", action="store_true", help="vLLM's default torch.compile "
-                        "and CUDA graphs instead of enforce_eager (longer startup)")
+    parser.add_argument("--eager", action="store_true", default=None,
+                        help="enforce_eager instead of vLLM's default torch.compile and CUDA "
+                        "graphs (default on the CPU)")
+    parser.add_argument("--profile", action="store_true", help="the MoE share of GPU time from "
+                        "a profile of a decode and a prefill window (CUDA)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     parser.add_argument("--cpu-kv-gib", type=int, default=1, help="VLLM_CPU_KVCACHE_SPACE")
     parser.add_argument("--commit", help="default: git HEAD of this checkout")
@@ -359,10 +446,14 @@ def main() -> None:
         parser.error("--resume needs --json")
     args.dtype = args.dtype or PRESETS[args.preset][1]
     args.attention = args.attention or ("TRITON_ATTN" if args.device == "cuda" else None)
+    args.eager = args.device == "cpu" if args.eager is None else args.eager
+    if args.profile and args.device != "cuda":
+        parser.error("--profile reads CUDA kernels' times")
     args.commit = args.commit or commit() or "unknown"
     args.out = args.out or ROOT / "bench" / "results" / f"vllm-e2e-{args.preset}-{today}.md"
     cases = parse_cases(args.cases)
     lat_prompt, lat_output = map(int, args.latency_lengths.split("/"))
+    latency = [int(b) for b in args.latency.split(",")]
     args.max_model_len = max([p + o for p, o, _ in cases]
                              + [lat_prompt + lat_output, CHECK_PROMPT + CHECK_OUTPUT])
     runs = []
@@ -373,8 +464,10 @@ def main() -> None:
         work = Path(tmp)
         config = write_model(args.preset, work / "model", args.layers, args.dtype)
         spec = {"model": str(work / "model"), "device": args.device, "dtype": args.dtype,
-                "cases": cases, "latency": [int(b) for b in args.latency.split(",")],
-                "eager": not args.compiled, "scaled_weights": not args.vllm_dummy_weights,
+                "cases": cases, "latency": latency,
+                "eager": args.eager, "scaled_weights": not args.vllm_dummy_weights,
+                "profile": args.profile,
+                "max_num_seqs": max([n for _, _, n in cases] + latency + [CHECK_REQUESTS]),
                 "latency_lengths": [lat_prompt, lat_output], "repeats": args.repeats,
                 "attention": args.attention, "max_model_len": args.max_model_len,
                 "gpu_memory_utilization": args.gpu_memory_utilization,
@@ -387,9 +480,12 @@ def main() -> None:
             random.Random(i).shuffle(modes)
             for mode, env in modes:
                 out = work / f"{mode}-{i}.json"
+                log = (args.json.parent if args.json else work) / f"{args.preset}-{mode}-{i}.log"
                 print(f"round {i + 1}: MOETUNE_MODE={mode}", flush=True)
-                runs.append(run_child(__file__, [str(work / "spec.json"), str(out)], out,
+                runs.append(run_child(__file__, [str(work / "spec.json"), str(out)], out, log,
                                       MOETUNE_MODE=mode, **env, **offline))
+                runs[-1]["plugin_log"] = [line for line in log.read_text().splitlines()
+                                          if "moetune" in line][:PLUGIN_LINES]
                 if args.json:
                     args.json.write_text("".join(json.dumps(r) + "\n" for r in runs))
     args.rounds = len(runs) // 2

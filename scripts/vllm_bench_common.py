@@ -17,15 +17,19 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def run_child(script: str, argv: list[str], out: Path, **env: str) -> dict:
+def run_child(script: str, argv: list[str], out: Path, log: Path | None = None,
+              **env: str) -> dict:
     """Run ``script --child *argv`` in a fresh interpreter with ``env`` added to this process's
-    environment less its ``MOETUNE_*`` settings, and return the JSON it wrote to ``out``.
+    environment less its ``MOETUNE_*`` settings, and return the JSON it wrote to ``out``;
+    its stderr (the engine's and the plugin's log) goes to ``log`` if given.
 
     Exits with the child's stderr tail if it failed, naming ``env``.
     """
     full = {k: v for k, v in os.environ.items() if not k.startswith("MOETUNE_")} | env
     proc = subprocess.run([sys.executable, script, "--child", *argv], env=full,
                           capture_output=True, text=True, check=False)
+    if log:
+        log.write_text(proc.stderr)
     if proc.returncode:
         sys.exit(f"engine run failed ({env}):\n{proc.stderr[-4000:]}")
     return json.loads(out.read_text())
