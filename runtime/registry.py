@@ -33,6 +33,7 @@ KERNEL_PATHS: dict[str, str] = {
     "aiter_asm_tkw1": "moetune.runtime.kernels.aiter_asm_tkw1:AiterAsmTkw1Kernel",
     "aiter_asm_blockscale": "moetune.runtime.kernels.aiter_asm_blockscale:AiterAsmBlockscaleKernel",
     "moetune_decode": "moetune.runtime.kernels.moetune_decode:MoetuneDecodeKernel",
+    "moetune_decode_one": "moetune.runtime.kernels.moetune_decode_one:MoetuneDecodeOneKernel",
     "moetune_grouped": "moetune.runtime.kernels.moetune_grouped:MoetuneGroupedKernel",
     "moetune_grouped_mm": "moetune.runtime.kernels.moetune_grouped_mm:MoetuneGroupedMMKernel",
 }
