@@ -453,3 +453,102 @@ def test_decode_kernel_replays_in_a_graph_with_each_reduce(gpu_sku):
         assert relative_error(captured, reference(*static)) <= tolerance(problem), params
         same = 0.0 if params["REDUCE"] == "ordered" else tolerance(problem)
         assert relative_error(captured, eager) <= max(same, 1e-6), params
+
+
+# --- moetune_decode_one: one persistent launch at 1-8 tokens ------------------------------------
+ONE_TOKENS = (1, 2, 4, 8)
+
+
+def _one_variants(problem: MoEProblem) -> list[dict]:
+    """The seed and its grid and warp variants that the constraints keep (programs per SM up to
+    4 and 8 warps: the launcher must cap what is not resident, or the spin-waits hang)."""
+    kernel = default_registry.get("moetune_decode_one")
+    seed = kernel.seed_params(problem, H200)
+    variants = [seed] + [dict(seed, PROGRAMS_PER_SM=p) for p in (1, 4)]
+    variants += [dict(seed, num_warps=8, PROGRAMS_PER_SM=4, num_stages=3)]
+    unique = []
+    for params in variants:
+        if kernel.check_params(problem, params) is None and params not in unique:
+            unique.append(params)
+    return unique
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("quant", list(QuantScheme), ids=lambda q: q.value)
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_one_launch_kernel_passes_the_tuners_gate_at_model_shapes(shape, quant, gpu_sku):
+    """Every scheme at M = 1, 2, 4, 8 (skewed routing), written into a NaN-filled ``out``."""
+    kernel = default_registry.get("moetune_decode_one")
+    base = dataclasses.replace(DECODE_SHAPES[shape], quant=quant)
+    weights = make_weights(base, "cuda", seed=1)
+    reference = default_registry.get("reference").prepare(base, {}, weights)
+    failures = []
+    for m in ONE_TOKENS:
+        problem = base.with_tokens(m)
+        ok, why = kernel.supports(problem, gpu_sku)
+        assert ok, why
+        batch = make_batch(problem, "cuda", seed=2 + m, routing=Routing.ZIPF)
+        ref = reference(*batch.args())
+        for params in _one_variants(problem):
+            out = torch.full_like(batch.x, float("nan"))
+            got = kernel.prepare(problem, kernel.validate(params), weights)(*batch.args(), out=out)
+            torch.cuda.synchronize()
+            err = relative_error(out, ref)
+            if got is not out or not err <= tolerance(problem):
+                failures.append(f"M={m} {params}: error {err:.3g} > {tolerance(problem)}")
+    assert not failures, "\n".join(failures)
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_one_launch_kernel_resets_its_counters_between_calls(shape, gpu_sku):
+    """50 back-to-back calls without a sync, each on new routing, then each checked: a counter
+    left over from one call would let the next read an unfinished row or reduce too early.
+    The counters are zero afterwards."""
+    problem = DECODE_SHAPES[shape].with_tokens(8 if DECODE_SHAPES[shape].topk == 8 else 4)
+    kernel = default_registry.get("moetune_decode_one")
+    weights = make_weights(problem, "cuda", seed=1)
+    reference = default_registry.get("reference").prepare(problem, {}, weights)
+    for params in _one_variants(problem):
+        fn = kernel.prepare(problem, params, weights)
+        batches = [make_batch(problem, "cuda", seed=s).args() for s in range(50)]
+        outs = [fn(*b) for b in batches]
+        torch.cuda.synchronize()
+        errors = [relative_error(o, reference(*b)) for o, b in zip(outs, batches)]
+        assert max(errors) <= tolerance(problem), (params, errors)
+        counters = [c.cell_contents for c in fn.__closure__
+                    if isinstance(c.cell_contents, torch.Tensor)
+                    and c.cell_contents.dtype == torch.int32]
+        assert counters and not any(c.any() for c in counters), params
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("shape", DECODE_SHAPES, ids=str)
+def test_one_launch_kernel_replays_in_a_graph_bit_for_bit(shape, gpu_sku):
+    """A captured call replayed 5 times on new routing equals an eager call bit for bit (the
+    reduce is ordered), into the ``out`` it was captured with; the counters reset inside."""
+    problem = DECODE_SHAPES[shape].with_tokens(2)
+    kernel = default_registry.get("moetune_decode_one")
+    weights = make_weights(problem, "cuda", seed=1)
+    reference = default_registry.get("reference").prepare(problem, {}, weights)
+    for params in _one_variants(problem):
+        fn = kernel.prepare(problem, params, weights)
+        static = make_batch(problem, "cuda", seed=2).args()
+        out = torch.empty_like(static[0])
+        fn(*static, out=out)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn(*static, out=out)
+        for seed in range(3, 8):
+            for buffer, value in zip(static, make_batch(problem, "cuda", seed=seed).args()):
+                buffer.copy_(value)
+            graph.replay()
+            replayed = out.clone()
+            eager = fn(*static)
+            torch.cuda.synchronize()
+            assert relative_error(replayed, reference(*static)) <= tolerance(problem), params
+            assert torch.equal(replayed, eager), (params, seed)
