@@ -1,4 +1,5 @@
-"""moetune_decode against vLLM's pick at decode sizes, and both against the HBM floor (one H200).
+"""moetune_decode and moetune_decode_one against vLLM's pick at decode sizes, and all against the
+HBM floor (one H200).
 
 Usage: VLLM_TUNED_CONFIG_FOLDER=/path/to/vllm/fused_moe/configs \\
        python scripts/bench_decode.py [--shapes llama4,deepseek,qwen3] [--tokens 1,2,4,8,16]
@@ -17,6 +18,11 @@ Every kernel is compiled ahead in ``--workers`` processes (Triton's on-disk cach
 moetune_decode compiles once per shape (num_tokens only sizes its grid). After ``--budget-s``
 seconds the remaining buckets time the seed config only, so the run stays within 6 minutes.
 Rows are printed as they are measured.
+
+moetune_decode_one (the one-launch persistent kernel, up to 8 tokens of top-8) is timed the same
+way over ``ONE_SAMPLE``: its seed with other grid sizes, warps and tiles (compiled on first use,
+not ahead); its columns say how it compares with the rule and with moetune_decode's best here.
+``--tokens 1,2,4,8`` is the range it is offered at.
 """
 
 from __future__ import annotations
@@ -65,6 +71,13 @@ G2_SAMPLE = [(16, 256, 4, 2, 1, "atomic"), (16, 512, 4, 2, 1, "atomic"),
              (64, 128, 8, 2, 2, "atomic"), (16, 256, 4, 3, 4, "atomic"),
              (32, 128, 4, 2, 1, "atomic_out"), (64, 128, 4, 2, 1, "atomic_out"),
              (32, 128, 4, 2, 1, "ordered"), (64, 128, 4, 2, 2, "ordered")]
+#: moetune_decode_one variants of its seed: PROGRAMS_PER_SM, num_warps, num_stages, and
+#: (BLOCK_N1, BLOCK_K1, BLOCK_N2, BLOCK_K2) or None for the seed's tiles.
+ONE = "moetune_decode_one"
+ONE_SAMPLE = [(2, 4, 2, None), (1, 4, 2, None), (3, 4, 2, None), (4, 4, 2, None),
+              (2, 8, 2, None), (2, 4, 3, None), (1, 8, 3, None), (2, 4, 2, (4, 512, 32, 128)),
+              (2, 4, 2, (8, 256, 16, 256)), (2, 4, 2, (2, 1024, 8, 256)),
+              (4, 2, 2, (4, 256, 16, 128)), (2, 8, 2, (16, 512, 64, 128))]
 GRAPH_CALLS = 10  # calls per captured graph, each on its own batch (other experts each call)
 DEFAULT_CEILINGS = roofline.Ceilings(hbm_bytes_per_s=4.28e12, bf16_flops=774e12,
                                      fp8_flops=1410e12)
@@ -93,6 +106,18 @@ def stage_two(problem: MoEProblem, best: dict[str, Any]) -> list[dict[str, Any]]
     """GEMM2 tiles, split-K and reduces with the best GEMM1."""
     out = [{**best, **g2_params(c)} for c in G2_SAMPLE]
     return _unique([p for p in out if _valid(problem, p)])
+
+
+def one_configs(problem: MoEProblem, seed: dict[str, Any]) -> list[dict[str, Any]]:
+    """``ONE_SAMPLE`` around moetune_decode_one's seed, those its constraints keep."""
+    kernel, out = default_registry.get(ONE), []
+    for per_sm, warps, stages, tiles in ONE_SAMPLE:
+        params = dict(seed, PROGRAMS_PER_SM=per_sm, num_warps=warps, num_stages=stages)
+        if tiles:
+            params.update(zip(("BLOCK_N1", "BLOCK_K1", "BLOCK_N2", "BLOCK_K2"), tiles))
+        if kernel.check_params(problem, params) is None:
+            out.append(params)
+    return _unique(out)
 
 
 def _unique(configs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -242,12 +267,40 @@ def bucket_row(shape: str, problem: MoEProblem, weights: Any, reference: Any,
         run(stage_one(problem, seed))
         run(stage_two(problem, min(timed.values(), key=lambda t: t[0])[1] if timed else seed))
     lead = f"| {shape} | {m} | {floor:.1f} | {rule:.1f} |"
+    one = one_cells(problem, weights, inputs, ref, log, shape, deadline,
+                    min(timed.values(), key=lambda t: t[0])[0] if timed else float("nan"), rule)
     if not timed:
         why = why or "every config failed (see stderr)"
-        return f"{lead} - | - | - | {floor / rule:.2f} | 0 | {why} | {choice.reason} |"
+        return f"{lead} - | - | - | {floor / rule:.2f} | 0 | {why} | {one} {choice.reason} |"
     us, params = min(timed.values(), key=lambda t: t[0])
     return (f"{lead} {us:.1f} | {rule / us:.2f}x | {floor / us:.2f} | {floor / rule:.2f} | "
-            f"{len(timed)} | {short(params)} | {choice.reason} |")
+            f"{len(timed)} | {short(params)} | {one} {choice.reason} |")
+
+
+def one_cells(problem: MoEProblem, weights: Any, inputs: list, ref: torch.Tensor, log: Any,
+              shape: str, deadline: float, decode_us: float, rule_us: float) -> str:
+    """moetune_decode_one's cells: best us, speedup over the rule and over moetune_decode's
+    best, configs timed, the best config (after ``deadline``: the seed alone)."""
+    kernel, sku = default_registry.get(ONE), detect_sku("cuda")
+    ok, why = kernel.supports(problem, sku)
+    seed = kernel.seed_params(problem, sku) if ok else None
+    if seed is None:
+        return f"- | - | - | 0 | {why or 'no seed'} |"
+    timed: list[tuple[float, dict[str, Any]]] = []
+    for params in one_configs(problem, seed):
+        if timed and time.perf_counter() > deadline:
+            break
+        us = measure(ONE, problem, params, weights, inputs, ref, log, shape)
+        if us is not None:
+            timed.append((us, params))
+    if not timed:
+        return "- | - | - | 0 | every config failed (see stderr) |"
+    us, params = min(timed, key=lambda t: t[0])
+    config = (f"{params['BLOCK_N1']}x{params['BLOCK_K1']} / {params['BLOCK_N2']}x"
+              f"{params['BLOCK_K2']} w{params['num_warps']} s{params['num_stages']} "
+              f"{params['PROGRAMS_PER_SM']}/SM")
+    return (f"{us:.1f} | {rule_us / us:.2f}x | {decode_us / us:.2f}x | {len(timed)} | "
+            f"{config} |")
 
 
 def main() -> None:
@@ -278,8 +331,9 @@ def main() -> None:
               f"{time.perf_counter() - start:.0f} s\n", flush=True)
 
     print("| shape | tokens | HBM floor us | rule us | decode us | speedup | decode / floor | "
-          "rule / floor | configs | best config | rule |")
-    print("|" + "---|" * 11, flush=True)
+          "rule / floor | configs | best config | one us | one vs rule | one vs decode | "
+          "one configs | one config | rule |")
+    print("|" + "---|" * 16, flush=True)
     log = open(args.json, "w") if args.json else None
     for shape in shapes:
         torch.cuda.empty_cache()
