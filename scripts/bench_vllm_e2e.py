@@ -50,6 +50,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,14 @@ def child(spec_path: str, out: str) -> None:
                   max_num_seqs=spec["max_num_seqs"], distributed_executor_backend="uni")
     if spec["device"] == "cuda":
         kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
+        # vLLM warms up CuTe DSL kernels by importing the modules of the models that have them
+        # (``cutlass``: NVIDIA's CUTLASS DSL, 188 MB of wheels, not among the carried pieces);
+        # none of the presets runs one. 0.34 imports MiniMax-M3's on every CUDA model, for a
+        # warmup that returns at once for any other model: that module is replaced by a no-op.
+        kwargs["kernel_config"] = {"enable_cutedsl_warmup": False}
+        noop = types.ModuleType("vllm.model_executor.warmup.minimax_m3_msa_warmup")
+        noop.minimax_m3_msa_warmup = lambda worker: None
+        sys.modules[noop.__name__] = noop
     if spec["attention"]:
         kwargs["attention_config"] = {"backend": spec["attention"]}
     start = time.perf_counter()

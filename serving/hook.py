@@ -45,7 +45,8 @@ from moetune.runtime.vllm.classes import (DEFER_PROPERTY, TRITON, ExpertsSpec, H
 from moetune.serving import op, prepack
 from moetune.serving.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS, W1, W2, ApplyCall,
                                   op_args, wrap)
-from moetune.serving.describe import describe, differs, layer_weights, padded
+from moetune.serving.describe import (describe, differs, layer_weights, padded,
+                                      unrouted_rows)
 from moetune.serving.layer import Layer
 from moetune.serving.quant import quantize_input
 from moetune.serving.settings import Mode
@@ -164,8 +165,10 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
         shape, why = (None, not_ours) if not_ours else describe(
             experts, w13, w2, on_input, spec.defers_input_quant)
         pads = shape is not None and padded(experts, state.vllm)
+        unrouted = shape is not None and unrouted_rows(state.vllm)
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
-        shape, why, pads = None, f"vLLM internals differ ({type(e).__name__}: {e})", False
+        shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
+        pads = unrouted = False
     # A class whose weights no moetune kernel can read still gets its plan's hits and misses.
     layout = _LAYOUTS.get(spec.kernels_see)
     plan = None if shape is None else state.plan(shape, layout or WeightLayout.PLAIN)
@@ -188,6 +191,7 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     # mode keeps the op: it must see every num_tokens to record the missed ones).
     layer.traced_op = bool(layer.fns) or state.settings.mode is Mode.RECORD
     layer.padded = pads
+    layer.unrouted = unrouted
     layer.activation = experts.moe_config.activation if shape is not None else None
     layer.op_id = op.bind(layer)
     defers = (spec.defers_input_quant and weights is not None and experts.quant_config.quant_dtype

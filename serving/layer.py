@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from moetune.runtime.kernels._routes import routable
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
 from moetune.runtime.plan import Choice, Outcome, ShapePlan
 from moetune.serving.call import A1Q_SCALE, HIDDEN_STATES, ApplyCall, from_op
@@ -78,6 +79,8 @@ class Layer:
         self.delegate: Callable[[tuple[Any, ...]], bool] | None = None
         #: Calls may carry padding rows (vLLM 0.34's ``PaddedStandard``): ``unpadded``.
         self.padded = False
+        #: Calls may carry rows routed nowhere (a batch padded to a CUDA graph): ``routable``.
+        self.unrouted = False
         if plan is not None and weights is not None:
             self._prepare(plan, weights)
 
@@ -149,6 +152,8 @@ class Layer:
             weights = torch.ones_like(weights)
         if self.padded:
             hidden, weights, ids = unpadded(hidden, weights, ids)
+        elif self.unrouted:
+            weights, ids = routable(weights, ids)
         try:
             step.fn(hidden, weights, ids, out=call.output)
         except Exception as e:  # noqa: BLE001 - serving goes on with vLLM's kernel

@@ -33,7 +33,8 @@ from moetune.runtime.registry import default_registry  # noqa: E402
 from moetune.runtime.vllm import configs, versions  # noqa: E402
 from moetune.runtime.vllm.classes import TRITON  # noqa: E402
 from moetune.serving import hook  # noqa: E402
-from moetune.serving.describe import describe  # noqa: E402
+from moetune.runtime.kernels._routes import routable  # noqa: E402
+from moetune.serving.describe import describe, unrouted_rows  # noqa: E402
 from moetune.serving.layer import unpadded  # noqa: E402
 from moetune.serving.settings import Settings  # noqa: E402
 from moetune.serving.state import PluginState  # noqa: E402
@@ -231,6 +232,54 @@ def test_a_padded_call_gives_what_vllms_kernel_gives(hooked_triton):
     assert torch.allclose(got[~pad], want[~pad], atol=1e-5)
     hidden, weights_, ids = unpadded(x, topk_weights, topk_ids)
     assert torch.isfinite(hidden).all() and (ids >= 0).all() and weights_[~routed].eq(0).all()
+
+
+def test_padding_ids_fact_is_the_routers():
+    from vllm.model_executor.layers.fused_moe.router import fused_topk_router
+
+    assert ("is_padding=" in inspect.getsource(fused_topk_router)) == FACTS.padding_ids
+
+
+def test_rows_routed_nowhere_are_expected_exactly_while_vllm_skips_padding(monkeypatch):
+    monkeypatch.delenv("VLLM_MOE_SKIP_PADDING", raising=False)
+    assert unrouted_rows(FACTS) == FACTS.padding_ids
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "0")
+    assert not unrouted_rows(FACTS)
+
+
+def test_a_batch_padded_for_a_cuda_graph_gives_every_real_row_what_vllm_computes(hooked_triton):
+    """vLLM pads a batch to a captured CUDA graph's size and its routers give the extra
+    rows expert -1 and weight 0 (during a capture every row is such): the hook marks every
+    layer of those versions, and moetune's kernel, which indexes experts by id, runs them as
+    expert 0 at weight 0, leaving each real row as the reference computes it."""
+    cls, state = hooked_triton
+    experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
+    kernel = modular_kernel.FusedMoEKernel(no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular(),
+                                           experts)
+    w13, w2 = weights()
+    torch.manual_seed(2)
+    m = 8
+    x = torch.randn(m, H)
+    topk_weights = torch.rand(m, TOPK)
+    topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
+    kernel.apply(x[:1], w13, w2, topk_weights[:1], topk_ids[:1], MoEActivation.SILU, E, None,
+                 False)  # attaches the layer
+    layer = experts.__dict__["_moetune_layer"]
+    assert layer.unrouted == FACTS.padding_ids and not layer.padded
+    if not FACTS.padding_ids:
+        return  # this version's routers never route a row nowhere
+    pad = torch.arange(m) >= 5  # the padding is the batch's tail
+    topk_ids[pad], topk_weights[pad] = -1, 0.0
+    got = kernel.apply(x, w13, w2, topk_weights, topk_ids, MoEActivation.SILU, E, None, False)
+    assert layer.counts["hit"] == 2
+    reference = default_registry.get("reference").prepare(
+        Shape(H, I, E, TOPK, "float32", "none", "silu", True, False).problem(m), {},
+        MoEWeights(w13, w2, QuantScheme.NONE))
+    want = reference(x, topk_weights, topk_ids.clamp(min=0))
+    assert torch.allclose(got[~pad], want[~pad], atol=1e-5)
+    weights_, ids = routable(topk_weights, topk_ids)
+    assert (ids[pad] == 0).all() and (weights_[pad] == 0).all()
+    assert torch.equal(ids[~pad], topk_ids[~pad]) and (topk_ids[pad] == -1).all()
 
 
 def test_layers_behind_an_all2all_are_left_to_vllm():

@@ -28,6 +28,9 @@ class VllmFacts:
             a DeepEP v2 all2all (``moe_config.activation_format``) its calls carry padding rows
             whose ``topk_ids`` are -1 and whose activations are garbage, which it skips and
             leaves as zeros in the output.
+        padding_ids: the routers give the rows a runner marks as padding (a batch padded to a
+            CUDA graph's size, or to the DP ranks' largest) ``topk_ids`` -1 and weight 0 while
+            ``VLLM_MOE_SKIP_PADDING`` is on (its default), so any layer's calls may carry them.
         down_configs: ``TritonExperts`` reads GEMM2's config from ``..._down.json`` files (with a
             ``USE_TMA`` flag) for 128x128 block fp8, where vLLM takes its sorted-A TMA path.
         finalize_hooks: methods and attributes of ``FusedMoEExperts`` that change what
@@ -39,6 +42,7 @@ class VllmFacts:
     version: tuple[int, int]
     aiter_experts: tuple[str, ...]
     padded_rows: bool = False
+    padding_ids: bool = False
     down_configs: bool = False
     finalize_hooks: tuple[str, ...] = ()
 
@@ -54,10 +58,11 @@ _FINALIZE_HOOKS = ("_apply_router_weight_in_gemm2", "_finalize_expert_output", "
 
 #: Every supported minor version, oldest first.
 FACTS: dict[tuple[int, int], VllmFacts] = {f.version: f for f in (
-    VllmFacts((0, 32), aiter_experts=("AiterExperts",)),
-    VllmFacts((0, 33), aiter_experts=_AITER_SPLIT, finalize_hooks=_FINALIZE_HOOKS),
-    VllmFacts((0, 34), aiter_experts=_AITER_SPLIT, padded_rows=True, down_configs=True,
+    VllmFacts((0, 32), aiter_experts=("AiterExperts",), padding_ids=True),
+    VllmFacts((0, 33), aiter_experts=_AITER_SPLIT, padding_ids=True,
               finalize_hooks=_FINALIZE_HOOKS),
+    VllmFacts((0, 34), aiter_experts=_AITER_SPLIT, padded_rows=True, padding_ids=True,
+              down_configs=True, finalize_hooks=_FINALIZE_HOOKS),
 )}
 #: The newest supported minor version.
 NEWEST = max(FACTS)
