@@ -2,11 +2,12 @@
 
 A ``ShapePlan`` holds, for one (shape, weight layout), the choice of every bucket the table has
 for that shape: a moetune kernel (a winner that beats vLLM's pick), vLLM's own ``apply`` (the
-winner is the rule's pick: a hit), or vLLM's own as a fallback (the winner cannot run on this
-layout, or the table's row for that bucket is faulty). It asks the dispatcher once per bucket
-at attach time, so serving never evaluates the rule; ``lookup`` maps a num_tokens to the
-nearest of those buckets (as the dispatcher does), memoized. Layers of the same shape and
-layout share one plan (``PluginState.plan``).
+winner is the rule's pick: a hit), vLLM's own ``apply`` under a winner's setting (a kernel that
+is vLLM's own with other parameters, ``BaseKernel.in_engine``: a hit), or vLLM's own as a
+fallback (the winner cannot run on this layout, or the table's row for that bucket is faulty).
+It asks the dispatcher once per bucket at attach time, so serving never evaluates the rule;
+``lookup`` maps a num_tokens to the nearest of those buckets (as the dispatcher does), memoized.
+Layers of the same shape and layout share one plan (``PluginState.plan``).
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ class Outcome(str, enum.Enum):
 @dataclasses.dataclass(frozen=True)
 class Choice:
     """What calls mapped to one bucket run: ``kernel`` with ``params`` (moetune's), or vLLM's own
-    ``apply`` when ``kernel`` is None; counted as ``outcome``; ``reason`` says why."""
+    ``apply`` when ``kernel`` is None, or (``engine``) vLLM's own ``apply`` inside ``kernel``'s
+    setting of ``params``; counted as ``outcome``; ``reason`` says why."""
 
     outcome: Outcome
     reason: str
@@ -45,6 +47,8 @@ class Choice:
     graph_safe: bool = False
     #: ``stale`` or ``faulty`` where the bucket has a table row serving does not use.
     refused: str = ""
+    #: ``kernel`` is vLLM's own ``apply`` under a setting (``BaseKernel.in_engine``).
+    engine: bool = False
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -53,7 +57,7 @@ class Choice:
 
     def label(self) -> str:
         if self.kernel is not None:
-            return self.kernel
+            return f"{self.kernel} (vLLM's apply)" if self.engine else self.kernel
         if self.outcome is Outcome.HIT:
             return "vLLM"
         return f"vLLM ({self.outcome.value}: {self.refused} row)" if self.refused else (
@@ -95,20 +99,26 @@ class ShapePlan:
                 choices[m] = Choice(Outcome.HIT, "the winner is vLLM's own kernel")
             else:
                 kernel = dispatcher.registry.get(selection.kernel)
-                choices[m] = Choice(Outcome.HIT, selection.reason, selection.kernel,
-                                    selection.params, kernel.graph_safe)
+                engine = kernel.in_engine(shape.problem(m), selection.params) is not None
+                reason = selection.reason + (
+                    "; served as vLLM's own experts apply with these parameters "
+                    f"({kernel.name}.in_engine)" if engine else "")
+                choices[m] = Choice(Outcome.HIT, reason, selection.kernel, selection.params,
+                                    kernel.graph_safe, engine=engine)
         return cls(shape, layout, choices, frozenset(tuned), dispatcher.registry)
 
     @property
     def runs_moetune(self) -> bool:
-        """Whether some bucket runs a moetune kernel (the layer then needs runnable weights)."""
-        return any(c.kernel is not None for c in self.choices.values())
+        """Whether some bucket runs a moetune kernel of its own (the layer then needs runnable
+        weights); a setting of vLLM's own ``apply`` (``engine``) needs none."""
+        return any(c.kernel is not None and not c.engine for c in self.choices.values())
 
-    def kernels(self) -> dict[tuple[str, str], tuple[int, Choice]]:
-        """Each distinct moetune kernel of the plan, with the first bucket that runs it."""
+    def kernels(self, engine: bool = False) -> dict[tuple[str, str], tuple[int, Choice]]:
+        """Each distinct moetune kernel of the plan (with ``engine``: each setting of vLLM's
+        own ``apply`` instead), with the first bucket that runs it."""
         found: dict[tuple[str, str], tuple[int, Choice]] = {}
         for m, choice in self.choices.items():
-            if choice.key is not None:
+            if choice.key is not None and choice.engine == engine:
                 found.setdefault(choice.key, (m, choice))
         return found
 

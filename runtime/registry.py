@@ -19,6 +19,7 @@ KERNEL_PATHS: dict[str, str] = {
     "torch_scaled_grouped": "moetune.runtime.kernels.torch_scaled_grouped:TorchScaledGroupedKernel",
     "vllm_cpu_experts": "moetune.runtime.kernels.vllm_cpu_experts:VllmCpuExpertsKernel",
     "vllm_triton": "moetune.runtime.kernels.vllm_triton:VllmTritonKernel",
+    "vllm_triton_tuned": "moetune.runtime.kernels.vllm_triton:VllmTritonTunedKernel",
     "aiter_triton": "moetune.runtime.kernels.aiter_triton:AiterTritonKernel",
     "aiter_triton_split": "moetune.runtime.kernels.aiter_triton:AiterTritonSplitKernel",
     "aiter_triton_silu_fused": "moetune.runtime.kernels.aiter_triton:AiterTritonSiluFusedKernel",

@@ -23,10 +23,13 @@ and finalize steps, which stay vLLM's. Dispatch is two-level, as DESIGN.md says:
   inner ``TritonExperts`` is marked owned by the outer layer: it attaches no layer of its own
   and counts nothing.
 * per call, ``Layer.run``: one memoized dict lookup by num_tokens -> the prepared winner, or
-  vLLM's own ``apply``. While a CUDA graph is captured, winners that are not ``graph_safe``
-  give way to vLLM's kernel. Where Dynamo traces the experts (vLLM on the CPU), layers that run
-  a moetune kernel for some num_tokens become one opaque op (``op``); the others trace vLLM's
-  own ``apply``, as if moetune were not there (those calls are not counted).
+  vLLM's own ``apply`` (vLLM's pick, or a ``vllm_triton_tuned`` winner: the same ``apply`` of
+  ``TritonExperts`` layers, called directly, never through this hook again, inside vLLM's
+  ``override_config`` of the winner's config: ``Layer(engine=...)``). While a CUDA graph is
+  captured, winners that are not ``graph_safe`` give way to vLLM's kernel. Where Dynamo traces
+  the experts (vLLM on the CPU), layers that run a moetune kernel for some num_tokens become one
+  opaque op (``op``); the others trace vLLM's own ``apply``, as if moetune were not there (those
+  calls are not counted).
 """
 
 from __future__ import annotations
@@ -186,10 +189,11 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
     apply = original(cls)
     layer = Layer(label, plan, state.counter(label, delegates=served is not None), weights,
                   experts, apply, getattr(own(cls, "apply", inherited=True), _PROBE, _never),
-                  state.record_miss)
+                  state.record_miss, engine=spec.triton_apply)
     # Traced, a layer that never runs a moetune kernel is vLLM's own apply, uncounted (record
     # mode keeps the op: it must see every num_tokens to record the missed ones).
-    layer.traced_op = bool(layer.fns) or state.settings.mode is Mode.RECORD
+    layer.traced_op = (bool(layer.fns) or bool(layer.engine_settings)
+                       or state.settings.mode is Mode.RECORD)
     layer.padded = pads
     layer.unrouted = unrouted
     layer.activation = experts.moe_config.activation if shape is not None else None
@@ -270,6 +274,9 @@ def _announce(state: PluginState, spec: ExpertsSpec, held: Held, label: str, lay
                         "its prepare step would)")
     elif layer.plan is not None and layer.plan.runs_moetune:
         runs_on = "no moetune kernel can run on them (those buckets fall back)"
+    elif layer.engine_settings:
+        runs_on = ("vLLM's own kernel serves every bucket, some with a tuned config "
+                   "(no copy kept)")
     else:
         runs_on = "vLLM's own kernel serves every bucket (no copy kept)"
     if layer.delegate is not None:

@@ -8,6 +8,12 @@ nothing. Nothing here knows vLLM's classes: the hook hands in the experts object
 original ``apply`` (and, where vLLM picks between two kernels per call, ``delegate``); a call's
 arguments travel as one tuple (``call.py``).
 
+A winner that is vLLM's own ``apply`` under a setting (``BaseKernel.in_engine``: vLLM's Triton
+path with a searched config) runs as the layer's own ``apply`` inside that setting, entered only
+around the call, in layers whose ``apply`` is vLLM's ``TritonExperts`` one (``engine``); nothing
+is prepared for it and no weights are needed. Where its setting raises, vLLM's ``apply`` runs the
+call again without it, and from then on (a fallback, like a failed winner).
+
 A layer that asked vLLM for unquantized activations (``quantized`` set) never hands a moetune
 kernel a call that arrives quantized anyway: such a call runs vLLM's own ``apply`` as vLLM
 would have run it, counted as a fallback (the layer's first call, quantized before the layer
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, NamedTuple
 
 import torch
@@ -32,13 +39,15 @@ logger = logging.getLogger("moetune")
 
 class Step(NamedTuple):
     """What one num_tokens value runs in one layer: ``fn`` (a moetune kernel), or vLLM's own
-    ``apply`` when ``fn`` is None, counted under ``counter`` (an ``Outcome`` value, held as a
-    string: reading an enum's ``.value`` per call costs a few hundred nanoseconds)."""
+    ``apply`` when ``fn`` is None (inside ``around()`` where that is given), counted under
+    ``counter`` (an ``Outcome`` value, held as a string: reading an enum's ``.value`` per call
+    costs a few hundred nanoseconds)."""
 
     fn: MoEFn | None
     counter: str
     key: tuple[str, str] | None = None
     graph_safe: bool = False
+    around: Callable[[], AbstractContextManager[None]] | None = None
 
 
 _MISS, _FALLBACK, _HIT = Outcome.MISS.value, Outcome.FALLBACK.value, Outcome.HIT.value
@@ -56,6 +65,8 @@ class Layer:
         counts: the live counter dict of the layer's shape (``PluginState.counter``).
         weights: weights a moetune kernel can run, or None (every moetune choice falls back).
         misses: called with the problem of each num_tokens the table has no row for.
+        engine: ``original`` is vLLM's ``TritonExperts.apply``, which the settings of
+            ``in_engine`` kernels change (elsewhere such a winner falls back).
 
     Set by the hook after construction: ``quantized``, vLLM's own ``apply`` (of the call's
     arguments) for a call whose activations arrive quantized although the layer made vLLM's
@@ -66,12 +77,15 @@ class Layer:
 
     def __init__(self, label: str, plan: ShapePlan | None, counts: dict[str, int],
                  weights: MoEWeights | None, experts: Any, original: Callable[..., Any],
-                 capturing: Callable[[], bool], misses: Callable[[Any], None]) -> None:
+                 capturing: Callable[[], bool], misses: Callable[[Any], None],
+                 engine: bool = False) -> None:
         self.label, self.plan, self.counts, self.weights = label, plan, counts, weights
         self.experts, self.original, self.capturing = experts, original, capturing
         self._misses = misses
         self.steps: dict[int, Step] = {}
         self.fns: dict[tuple[str, str], MoEFn] = {}
+        #: The settings of vLLM's own ``apply`` the plan's ``in_engine`` winners run under.
+        self.engine_settings: dict[tuple[str, str], Callable[[], AbstractContextManager[None]]] = {}
         self.traced_op = False  # traced calls go through ``op`` (else vLLM's own apply)
         self.op_id: int | None = None  # its id in ``op`` (the traced path)
         self.activation: Any = None  # vLLM's activation enum, passed on for traced calls
@@ -83,6 +97,8 @@ class Layer:
         self.unrouted = False
         if plan is not None and weights is not None:
             self._prepare(plan, weights)
+        if plan is not None and engine:
+            self._engine_settings(plan)
 
     def _prepare(self, plan: ShapePlan, weights: MoEWeights) -> None:
         for key, (m, choice) in plan.kernels().items():
@@ -91,6 +107,17 @@ class Layer:
                     plan.shape.problem(m), choice.params, weights)
             except Exception as e:  # noqa: BLE001 - a kernel that cannot bind: vLLM runs
                 self._warn(key, "cannot be prepared", e)
+
+    def _engine_settings(self, plan: ShapePlan) -> None:
+        for key, (m, choice) in plan.kernels(engine=True).items():
+            try:
+                setting = plan.registry.get(key[0]).in_engine(plan.shape.problem(m),
+                                                              choice.params)
+            except Exception as e:  # noqa: BLE001 - vLLM runs as configured
+                self._warn(key, "cannot be set up", e)
+                continue
+            if setting is not None:
+                self.engine_settings[key] = setting
 
     def step(self, num_tokens: int) -> Step:
         """Fill ``steps[num_tokens]`` (once per value) from the plan."""
@@ -107,6 +134,10 @@ class Layer:
     def _step(self, choice: Choice) -> Step:
         if choice.key is None:
             return Step(None, choice.outcome.value)
+        if choice.engine:
+            setting = self.engine_settings.get(choice.key)
+            return (Step(None, _FALLBACK) if setting is None else
+                    Step(None, _HIT, choice.key, True, setting))
         fn = self.fns.get(choice.key)
         if fn is None:  # no runnable weights here, or the kernel failed
             return Step(None, _FALLBACK)
@@ -126,6 +157,8 @@ class Layer:
             return None
         num_tokens = hidden_states.shape[0]
         step = self.steps.get(num_tokens) or self.step(num_tokens)
+        if step.around is not None:
+            return self._in_engine(step, args)
         if step.fn is None:
             self.counts[step.counter] += 1
         elif self._ran(step, ApplyCall(*args)):
@@ -133,6 +166,21 @@ class Layer:
         else:
             self.counts[_FALLBACK] += 1
         return self.original(self.experts, *args)
+
+    def _in_engine(self, step: Step, args: tuple[Any, ...]) -> Any:
+        """vLLM's own ``apply`` inside the winner's setting, entered only around it (vLLM's
+        apply takes any call its layer gets: quantized, padded, during a capture). If it
+        raises, vLLM's ``apply`` runs the call as configured, and every later one too."""
+        assert step.around is not None
+        try:
+            with step.around():
+                result = self.original(self.experts, *args)
+        except Exception as e:  # noqa: BLE001 - serving goes on with vLLM's configs
+            self.failed(step, e)
+            self.counts[_FALLBACK] += 1
+            return self.original(self.experts, *args)
+        self.counts[_HIT] += 1
+        return result
 
     def _ran(self, step: Step, call: ApplyCall) -> bool:
         """Run the winner, which writes into ``call.output`` itself; False where vLLM's kernel
@@ -171,6 +219,7 @@ class Layer:
         """A winner raised: vLLM's kernel runs for every num_tokens that used it, from now on."""
         assert step.key is not None
         self.fns.pop(step.key, None)
+        self.engine_settings.pop(step.key, None)
         self._warn(step.key, "failed", error)
         for m, s in self.steps.items():
             if s.key == step.key:

@@ -10,6 +10,7 @@ from rich.table import Table
 
 from moetune import db
 from moetune.runtime.dispatcher import Dispatcher, default_table, row_verdict, shipped_table
+from moetune.runtime.kernels.base import BaseKernel
 from moetune.runtime.plan import Outcome, ShapePlan
 from moetune.runtime.platform import SKU, Vendor, environment
 from moetune.runtime.problem import DType, MoEProblem
@@ -150,6 +151,8 @@ def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan) ->
     rule = rule_choice(problem, dispatcher.sku)
     pick = (f"{choice.kernel} {json.dumps(choice.params) if choice.params else ''}".rstrip()
             if choice.kernel is not None else f"vLLM's own kernel ({rule.kernel})")
+    if choice.engine:
+        pick += " (vLLM's own experts apply, run inside this setting)"
     why = choice.reason if dispatcher.usable else "table not used here (see above)"
     lines = [f"problem: {problem.describe()}",
              f"table:   {dispatcher.status.path or '-'} ({dispatcher.status.reason})",
@@ -170,8 +173,8 @@ def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan) ->
 
 def doctor_text(sku: SKU, registry: Registry, problem: MoEProblem) -> str:
     """The device, the versions here, whether the table serving uses by default (adopted or
-    shipped) is used here (and why not), the rule and each kernel's eligibility for
-    ``problem``."""
+    shipped) is used here (and why not), the rule, and every family ``registry`` holds: whether
+    it is eligible for ``problem`` (and why not), and if so what tuning does with it."""
     env = environment()
     path = default_table(sku)
     table = (f"{path} ({Dispatcher.load(path, sku, registry=registry).status.reason})"
@@ -180,16 +183,27 @@ def doctor_text(sku: SKU, registry: Registry, problem: MoEProblem) -> str:
     shipped = shipped_table(sku)
     if path is not None and path != shipped and shipped.is_file() and outdated(shipped, path):
         table += "; the shipped table has changed since it was adopted: run moetune adopt"
+    rule = rule_choice(problem, sku)
     lines = [f"device:  {sku.label()}, {sku.memory_bytes / 2**30:.0f} GiB",
              "software: " + ", ".join(f"{k} {v}" for k, v in env.items() if v),
              f"vllm:    {vllm_text()}",
              *([f"fp8:     {fp8}"] if (fp8 := cpu_fp8_text(sku)) else []),
              f"table:   {table}",
-             f"rule:    {rule_choice(problem, sku).reason}",
-             f"kernels for {problem.describe()}:"]
+             f"rule:    {rule.reason}",
+             f"families for {problem.describe()} (every registered kernel):"]
     for name, why in registry.eligibility(problem, sku).items():
-        lines.append(f"  {name:<34} {'eligible' if why is None else 'no: ' + why}")
+        role = _role(registry.get(name), rule.kernel) if why is None else ""
+        lines.append(f"  {name:<34} {'eligible' + role if why is None else 'no: ' + why}")
     return "\n".join(lines)
+
+
+def _role(kernel: type[BaseKernel], rule: str) -> str:
+    """What ``moetune tune`` does with an eligible family here."""
+    if not kernel.candidate:
+        return ", not tuned"
+    size = kernel.space_size()
+    role = f", searched ({size} configs)" if kernel.params else ", timed (no parameters)"
+    return role + (", the rule's pick" if kernel.name == rule else "")
 
 
 def vllm_text() -> str:

@@ -7,6 +7,8 @@ import abc
 import dataclasses
 import enum
 import importlib.util
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any, ClassVar, Protocol
 
 import torch
@@ -96,7 +98,8 @@ class BaseKernel(abc.ABC):
     tuning, like the float32 reference), ``graph_safe``, ``compiles``.
     MAY override: ``_supports_device``, ``_supports_quant``, ``_supports_problem`` for what is
     not data (returning ``super()``'s verdict where theirs passes), ``check_params``
-    (constraints across parameters, e.g. shared memory).
+    (constraints across parameters, e.g. shared memory), ``seed_params``, ``gemm_configs`` and
+    ``from_gemm_configs``, ``in_engine`` (a kernel that is the engine's own ``apply``).
     """
 
     name: ClassVar[str]
@@ -258,6 +261,17 @@ class BaseKernel(abc.ABC):
         return all(params.get(p.name) in p.choices for p in cls.params)
 
     # --- execution ---------------------------------------------------------------------------
+    @classmethod
+    def in_engine(cls, problem: MoEProblem, params: dict[str, Any]
+                  ) -> Callable[[], AbstractContextManager[None]] | None:
+        """For a kernel that is the engine's own experts ``apply`` under a setting of its
+        parameters (vLLM's Triton path with a config override): that setting, entered around
+        each call. Serving then runs the layer's own ``apply`` inside it, where the layer is
+        vLLM's ``TritonExperts``, rather than the prepared callable, which would build a second
+        engine kernel and enter the hooked ``apply`` again. None (the default): serving runs
+        ``prepare``'s callable."""
+        return None
+
     @classmethod
     @abc.abstractmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:

@@ -89,6 +89,12 @@ class ExpertsSpec:
         return self.serves is not None or self.inherits_apply
 
     @property
+    def triton_apply(self) -> bool:
+        """The calls the plan serves reach vLLM's ``TritonExperts.apply`` (this class's own, or
+        a ``FallbackExperts``'s Triton one): what vLLM's config override changes."""
+        return self.name == "TritonExperts" or self.serves is not None
+
+    @property
     def kernels_see(self) -> Held | None:
         """The weights moetune kernels see in this class's layers (``PLAIN`` where a plain copy
         is kept), or None if they see none."""

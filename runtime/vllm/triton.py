@@ -12,9 +12,10 @@ the CUDA rule's pick is vLLM's code of the installed version, not an emulation o
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -42,6 +43,7 @@ def vllm_code() -> tuple[SimpleNamespace | None, str | None]:
     if why:
         return None, why
     try:
+        import vllm.model_executor.layers.fused_moe as package
         from vllm.model_executor.layers.fused_moe import config, fused_moe, modular_kernel
         from vllm.model_executor.layers.fused_moe.activation import MoEActivation
         from vllm.model_executor.layers.fused_moe.prepare_finalize import no_dp_ep
@@ -50,7 +52,8 @@ def vllm_code() -> tuple[SimpleNamespace | None, str | None]:
         experts = TRITON.load()
     except Exception as e:  # noqa: BLE001 - any vLLM that differs (IncompatibleVllm too)
         return None, f"vLLM's Triton MoE could not be imported ({type(e).__name__}: {e})"
-    return SimpleNamespace(config=config, fused_moe=fused_moe, modular_kernel=modular_kernel,
+    return SimpleNamespace(package=package, config=config, fused_moe=fused_moe,
+                           modular_kernel=modular_kernel,
                            activation=MoEActivation, no_dp_ep=no_dp_ep, experts=experts,
                            platform=current_platform,
                            version=versions.installed()), None
@@ -124,6 +127,32 @@ def layer(problem: MoEProblem, w13: torch.Tensor, w2: torch.Tensor,
                             on_input)
 
     return run
+
+
+@contextlib.contextmanager
+def config_override(config: dict[str, int]) -> Iterator[None]:
+    """Every Triton MoE launch of vLLM inside runs ``config``, GEMM1 and GEMM2 alike: vLLM's
+    public ``override_config``, which ``try_get_optimal_moe_config`` reads before its tuned
+    files and default heuristic (0.32-0.34 alike). Under it 0.34's ``TritonExperts`` reads no
+    ``_down.json`` and so never takes its sorted-A TMA GEMM2 (``VllmFacts.down_configs``).
+
+    vLLM's own context manager restores the previous config only when its body returns (it has
+    no ``try``/``finally``): here it is left without the body's exception, so a launch that
+    raises leaves vLLM's configs as they were. The setting is one module global, as vLLM's
+    engine runs one forward per process at a time.
+
+    Raises:
+        RuntimeError: vLLM's Triton MoE code is not importable here.
+    """
+    code, why = vllm_code()
+    if code is None:
+        raise RuntimeError(why)
+    override = code.package.override_config(config)
+    override.__enter__()
+    try:
+        yield
+    finally:
+        override.__exit__(None, None, None)
 
 
 def config_choice(problem: MoEProblem) -> tuple[dict[str, Any], dict[str, Any] | None]:

@@ -32,7 +32,9 @@ class VllmFacts:
             CUDA graph's size, or to the DP ranks' largest) ``topk_ids`` -1 and weight 0 while
             ``VLLM_MOE_SKIP_PADDING`` is on (its default), so any layer's calls may carry them.
         down_configs: ``TritonExperts`` reads GEMM2's config from ``..._down.json`` files (with a
-            ``USE_TMA`` flag) for 128x128 block fp8, where vLLM takes its sorted-A TMA path.
+            ``USE_TMA`` flag) for 128x128 block fp8, where vLLM takes its sorted-A TMA path;
+            not under vLLM's ``override_config`` (both GEMMs then run the override's config,
+            as in every version: ``triton.config_override``).
         finalize_hooks: methods and attributes of ``FusedMoEExperts`` that change what
             ``TritonExperts.apply`` writes (where the router weight goes, the top-k reduction,
             a hook after GEMM2, the output's width): a layer whose class or object sets any of
