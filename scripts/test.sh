@@ -25,7 +25,8 @@ if [[ $# -eq 0 ]]; then
     src=$("$PY" scripts/vllm_sources.py "$version" 2>/dev/null) || { echo "error: cannot fetch vLLM $version's sources" >&2; rc=1; continue; }
     echo "== contract suite against vLLM $version ($src)"
     MOETUNE_VLLM_UNDER_TEST=$version PYTHONPATH="$src" "$PY" -m pytest -q -rs -p no:cacheprovider \
-      tests/test_vllm_versions.py tests/test_vllm_contract.py tests/test_vllm_fallback_experts.py tests/test_vllm_triton.py || rc=1
+      tests/test_vllm_versions.py tests/test_vllm_contract.py tests/test_vllm_fallback_experts.py tests/test_vllm_triton.py \
+      tests/test_vllm_triton_tuned.py || rc=1
   done
 fi
 set -e

@@ -90,6 +90,37 @@ def test_doctor_reports_device_and_eligibility():
     assert "table:   none shipped for this device" in result.output
 
 
+def test_doctor_lists_every_registered_family_with_its_verdict(cpu_sku):
+    """Every family the registry holds, the ones added after doctor was written too, with its
+    verdict for the preset's problem: why not (``supports``' reason), or what tuning does."""
+    from moetune.runtime.kernels.base import BaseKernel
+    from moetune.runtime.platform import Vendor
+    from moetune.runtime.registry import Registry
+    from moetune.tuner.report import doctor_text
+
+    class Newcomer(BaseKernel):
+        name = "newcomer"
+        vendors = frozenset({Vendor.NVIDIA})
+
+        @classmethod
+        def prepare(cls, problem, params, weights):
+            raise AssertionError("doctor prepares nothing")
+
+    registry = Registry()
+    registry.add(Newcomer)
+    problem = preset("tiny").shape.problem(1)
+    lines = doctor_text(cpu_sku, registry, problem).splitlines()
+    start = lines.index(f"families for {problem.describe()} (every registered kernel):")
+    listed = dict(line.split(maxsplit=1) for line in lines[start + 1:])
+    assert list(listed) == registry.names() and "newcomer" in listed
+    assert listed["newcomer"].startswith("no: newcomer: needs an NVIDIA GPU")
+    assert listed["vllm_triton_tuned"].startswith("no: vllm_triton_tuned: needs an NVIDIA GPU")
+    assert listed["reference"] == "eligible, not tuned"
+    assert listed["torch_dense"].startswith("eligible, searched (")
+    rule = rule_choice(problem, cpu_sku).kernel
+    assert listed[rule] == "eligible, timed (no parameters), the rule's pick"
+
+
 def test_doctor_says_which_vllm_the_plugin_serves_and_why_fp8_cannot_load(monkeypatch):
     from moetune.runtime.problem import DType
     from moetune.runtime.vllm import versions

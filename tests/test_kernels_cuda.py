@@ -39,7 +39,8 @@ FP8_TOLERANCE = 6e-2
 KERNELS = ["aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused",
            "aiter_triton_gelu_fused", "aiter_triton_e2e", "torch_scaled_grouped",
            "aiter_triton_persistent", "aiter_triton_silu_fused_persistent",
-           "aiter_triton_gelu_fused_persistent", "moetune_grouped", "moetune_grouped_mm"]
+           "aiter_triton_gelu_fused_persistent", "moetune_grouped", "moetune_grouped_mm",
+           "vllm_triton_tuned"]
 SHAPES = [
     MoEProblem(1, 256, 128, 8, 2, dtype="float16"),  # decode
     MoEProblem(3000, 384, 256, 128, 8),  # prefill, many experts
@@ -68,7 +69,7 @@ def _problems() -> list[MoEProblem]:
 
 def _params(name: str, problem: MoEProblem) -> dict:
     default = vllm_default_config(problem)
-    if name == "aiter_triton":
+    if name in ("aiter_triton", "vllm_triton_tuned"):
         return default
     if name == "aiter_triton_e2e":
         return E2E

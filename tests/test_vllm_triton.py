@@ -22,6 +22,7 @@ from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
 from moetune.runtime.vllm import configs, triton as vllm_triton_mod
 from moetune.runtime.vllm.versions import installed, installed_facts
+from tests.vllm_launches import as_h200, record_launches
 
 if importlib.util.find_spec("vllm") is None:
     pytest.skip("vLLM is not installed (bash scripts/setup.sh --vllm)", allow_module_level=True)
@@ -62,12 +63,6 @@ SHAPES = [(8, 14336, 4096, 2, QuantScheme.NONE), (128, 768, 2048, 8, QuantScheme
 NO_CHOICE = ("num_ctas", "SPLIT_K")  # the kernels' own defaults at 1: no choice
 
 
-def _as_h200(monkeypatch) -> None:
-    monkeypatch.setattr(fused_moe, "get_device_name_as_file_name", lambda *a: "NVIDIA_H200")
-    monkeypatch.delenv("VLLM_TUNED_CONFIG_FOLDER", raising=False)
-    fused_moe.get_moe_configs.cache_clear()
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"E={s[0]},N={s[1]},{s[4].value}")
 @pytest.mark.parametrize("num_tokens", [1, 100, 5000])
 def test_vllms_config_choice_is_what_moetune_reads_from_its_files(shape, num_tokens,
@@ -76,7 +71,7 @@ def test_vllms_config_choice_is_what_moetune_reads_from_its_files(shape, num_tok
     reading of the same files, which ``lookup`` and the emulation use; and the file names the
     rule's baseline records."""
     experts, inter, hidden, topk, quant = shape
-    _as_h200(monkeypatch)
+    as_h200(monkeypatch)
     problem = MoEProblem(num_tokens, hidden, inter, experts, topk, "bfloat16", quant)
     config, down = vllm_triton_mod.config_choice(problem)
     ours = configs.tuned_config(problem, H200)
@@ -100,33 +95,10 @@ def test_the_rule_kernel_runs_vllms_experts_with_vllms_configs(num_tokens, monke
     (vLLM's platform check passed by, its GPU-only align and sum by stand-ins, its Triton
     launches recorded), vLLM's ``apply`` hands its launcher the config vLLM's lookup picks for
     GEMM1 and GEMM2, as ``config_choice`` says."""
-    vllm_triton_mod.vllm_code()  # imports vLLM's ops, where its compiled ones are here
-    if not hasattr(torch.ops._C, "silu_and_mul"):
-        pytest.skip("vLLM's compiled activation op is not here (its sources alone are)")
-    _as_h200(monkeypatch)
+    launched = record_launches(monkeypatch)
+    as_h200(monkeypatch)
     experts, inter, hidden, topk = 128, 768, 2048, 8
     problem = MoEProblem(num_tokens, hidden, inter, experts, topk, "bfloat16")
-    code = vllm_triton_mod.vllm_code()[0]
-    monkeypatch.setattr(vllm_triton_mod, "vllm_triton", lambda: (code, None))
-    launched = []
-
-    def launch(a, b, c, *args, **kwargs):
-        launched.append(args[8] if len(args) > 8 else kwargs["config"])
-        c.zero_()
-
-    def align(topk_ids, block, num_experts, *args, **kwargs):
-        blocks = (topk_ids.numel() + block - 1) // block + num_experts
-        return (torch.zeros(blocks * block, dtype=torch.int32),
-                torch.zeros(blocks, dtype=torch.int32),
-                torch.tensor([blocks * block], dtype=torch.int32))
-
-    # vLLM's CPU build stands a placeholder in for Triton; apply names Triton's dtypes.
-    monkeypatch.setattr(triton_moe, "tl", pytest.importorskip("triton").language)
-    monkeypatch.setattr(triton_moe, "invoke_fused_moe_triton_kernel", launch)
-    monkeypatch.setattr(fused_moe, "moe_align_block_size", align)
-    monkeypatch.setattr(triton_moe, "moe_align_block_size", align, raising=False)
-    monkeypatch.setattr(triton_moe.TritonExperts, "moe_sum",
-                        lambda self, x, out, *a, **k: out.copy_(x.sum(1)), raising=False)
     w13 = torch.zeros(experts, 2 * inter, hidden, dtype=torch.bfloat16)
     w2 = torch.zeros(experts, hidden, inter, dtype=torch.bfloat16)
     run = vllm_triton_mod.layer(problem, w13, w2, None, None)
