@@ -204,3 +204,18 @@ def test_every_family_is_measured_at_its_seed_however_small_the_budget(small_pro
     measurer = TwoFamilies()
     search(small_problem, cpu_sku, measurer, [rule, *families], trials=1, refine=0)
     assert {k for k, _ in measurer.calls} == {rule.name, "bowl", "twin", "ridge"}
+
+
+def test_a_stored_study_resumes_only_over_the_same_families(small_problem, cpu_sku, tmp_path,
+                                                             candidates):
+    """A family added (or newly eligible) since a study was stored gets a study of its own:
+    Optuna refuses to resume one whose ``kernel`` choices differ."""
+    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
+    search(small_problem, cpu_sku, BowlMeasurer(), candidates, trials=2, refine=0,
+           storage=storage)
+    again = BowlMeasurer()
+    search(small_problem, cpu_sku, again, candidates, trials=2, refine=0, storage=storage)
+    newcomer = seeded(Bowl, "newcomer", OPTIMUM)
+    results = search(small_problem, cpu_sku, BowlMeasurer(), [*candidates, newcomer], trials=2,
+                     refine=0, storage=storage)
+    assert ("newcomer", params_key(OPTIMUM)) in results

@@ -15,6 +15,7 @@ best's tiles (bench/results/grouped-h200-2026-12-02)."""
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any, Callable, Sequence
 
 import optuna
@@ -91,7 +92,7 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     sampler = optuna.samplers.TPESampler(seed=seed, n_startup_trials=min(10, max(trials // 3, 1)),
                                          constant_liar=batch > 1)
     study = optuna.create_study(direction="minimize", sampler=sampler, storage=storage,
-                                study_name=f"moetune:{problem.describe()}", load_if_exists=True)
+                                study_name=study_name(problem, names), load_if_exists=True)
     firsts = [(v.kernel, v.params) for v in variants] + [
         (k.name, k.seed_params(problem, sku)) for k in candidates if k.name != rule.kernel] + [
         (name, params) for name, params in starts if name in by_name]
@@ -217,6 +218,16 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
         climb(peers[0])
         climbed.add(peers[0].kernel)
     return results
+
+
+def study_name(problem: MoEProblem, families: Sequence[str]) -> str:
+    """The Optuna study of ``problem`` over ``families``. A stored study resumes only over the
+    same families: Optuna refuses another set of choices for the ``kernel`` parameter
+    ("CategoricalDistribution does not support dynamic value space"), which a new family, or one
+    newly eligible, would be. Another set starts its own study; the table's trials still reach
+    it (``known``)."""
+    digest = hashlib.sha1(",".join(sorted(families)).encode()).hexdigest()[:8]
+    return f"moetune:{problem.describe()}:{digest}"
 
 
 def remeasure(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer,
