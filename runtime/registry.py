@@ -20,6 +20,8 @@ KERNEL_PATHS: dict[str, str] = {
     "vllm_cpu_experts": "moetune.runtime.kernels.vllm_cpu_experts:VllmCpuExpertsKernel",
     "vllm_triton": "moetune.runtime.kernels.vllm_triton:VllmTritonKernel",
     "vllm_triton_tuned": "moetune.runtime.kernels.vllm_triton:VllmTritonTunedKernel",
+    "vllm_deepgemm": "moetune.runtime.kernels.vllm_deepgemm:VllmDeepGemmKernel",
+    "flashinfer_cutlass": "moetune.runtime.kernels.flashinfer_cutlass:FlashInferCutlassKernel",
     "aiter_triton": "moetune.runtime.kernels.aiter_triton:AiterTritonKernel",
     "aiter_triton_split": "moetune.runtime.kernels.aiter_triton:AiterTritonSplitKernel",
     "aiter_triton_silu_fused": "moetune.runtime.kernels.aiter_triton:AiterTritonSiluFusedKernel",

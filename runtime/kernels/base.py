@@ -47,6 +47,12 @@ class WeightLayout(str, enum.Enum):
 
     PLAIN = "plain"  # w13: (E, 2I, H), w2: (E, H, I), as vLLM and Triton kernels keep them
     AITER_SHUFFLED = "aiter_shuffled"  # pre-shuffled for aiter's asm/CK kernels
+    #: as vLLM's DEEPGEMM fp8 backend holds them: requantized to power-of-two block scales where
+    #: DeepGEMM's E8M0 scales are in use (vLLM's default with DeepGEMM), scales in its layout
+    DEEP_GEMM = "deep_gemm"
+    #: w13 as [up; gate] (w31; block scales likewise, clamped to >= 1e-10), as vLLM's
+    #: FLASHINFER_CUTLASS backend holds them (``prepare_fp8_moe_layer_for_fi``)
+    FLASHINFER_W31 = "flashinfer_w31"
 
 
 @dataclasses.dataclass

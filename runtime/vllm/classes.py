@@ -133,6 +133,9 @@ TRITON = ExpertsSpec(_EXPERTS + "triton_moe", "TritonExperts", Held.PLAIN,
 FALLBACK = ExpertsSpec(_EXPERTS + "triton_deep_gemm_moe", "TritonOrDeepGemmExperts", Held.PLAIN,
                        defers_input_quant=True, serves="fallback_experts", deep_gemm=True)
 CUDA_SPECS = (TRITON, FALLBACK)
+#: The DeepGEMM half of ``FALLBACK``, which moetune runs as a kernel of its own (``deepgemm``),
+#: never hooks: its weights are what vLLM's DEEPGEMM backend prepared (requantized under E8M0).
+DEEP_GEMM = ExpertsSpec(_EXPERTS + "deep_gemm_moe", "DeepGemmExperts", Held.DEEP_GEMM_E8M0)
 
 
 def aiter_specs(facts: VllmFacts) -> tuple[ExpertsSpec, ...]:

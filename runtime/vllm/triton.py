@@ -114,7 +114,7 @@ def layer(problem: MoEProblem, w13: torch.Tensor, w2: torch.Tensor,
     code, why = vllm_triton()
     if code is None:
         raise RuntimeError(why)
-    _workspace(w13.device)
+    workspace(w13.device)
     experts = code.experts(moe_config(code, problem, w13.device),
                            quant_config(code, problem, w13_scale, w2_scale))
     kernel = code.modular_kernel.FusedMoEKernel(
@@ -183,12 +183,12 @@ def config_choice(problem: MoEProblem) -> tuple[dict[str, Any], dict[str, Any] |
     return dict(config), down
 
 
-def _workspace(device: torch.device) -> None:
+def workspace(device: torch.device) -> None:
     """vLLM's workspace manager, as its model runner sets it up before any MoE call (the
     modular kernel of 0.33 and later takes its buffers from it)."""
     try:
-        from vllm.v1.worker import workspace
+        from vllm.v1.worker import workspace as manager
     except ImportError:  # 0.32 allocates its own
         return
-    if not workspace.is_workspace_manager_initialized():
-        workspace.init_workspace_manager(device)
+    if not manager.is_workspace_manager_initialized():
+        manager.init_workspace_manager(device)

@@ -1,0 +1,68 @@
+"""vLLM's DeepGEMM experts (``runtime/vllm/deepgemm.py``): DeepGEMM's contiguous grouped fp8
+GEMMs with vLLM's permute, fused SiLU-and-quantize and reduce, run as vLLM runs such a layer.
+
+What it computes on: the weights vLLM's DEEPGEMM backend holds (``WeightLayout.DEEP_GEMM``),
+made from moetune's plain ones once in ``prepare``. Under DeepGEMM's E8M0 scales (vLLM's default
+wherever DeepGEMM runs) that is a requantized copy of the layer, so the kernel cannot serve a
+layer vLLM gave ``TritonExperts`` (the automatic pick for block fp8 on Hopper under tensor
+parallelism): the dispatcher refuses it there for its layout. The layers that do hold this
+layout (``TritonOrDeepGemmExperts`` under E8M0) are left to vLLM, which runs DeepGEMM on every
+call of theirs. So the family measures what vLLM's DeepGEMM backend would give against vLLM's
+Triton pick and moetune's winners; it serves nothing yet.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, WeightLayout, write
+from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
+from moetune.runtime.vllm.deepgemm import layer, shape_reason, vllm_deepgemm
+
+
+class VllmDeepGemmKernel(BaseKernel):
+    """vLLM's ``DeepGemmExperts`` in its modular kernel, behind its no-DP prepare step."""
+
+    name = "vllm_deepgemm"
+    layout = WeightLayout.DEEP_GEMM
+    vendors = frozenset({Vendor.NVIDIA})
+    min_sm = 90
+    #: ``_supports_quant_scheme``: 128x128 block-fp8 weights with dynamic 1x128 activations;
+    #: its other pair (MXFP8 1x32) is Blackwell's, a scheme moetune has not.
+    quants = frozenset({QuantScheme.FP8_BLOCK_128X128})
+    #: DeepGEMM's grouped GEMMs write bfloat16 (vLLM's workspaces take the layer's dtype).
+    dtypes = frozenset({DType.BFLOAT16})
+    #: ``_supports_activation``: SiLU (and SwiGLU variants moetune has not); gated only
+    #: (``_supports_no_act_and_mul`` is False).
+    activations = frozenset({Activation.SILU})
+    gated = True
+    #: vLLM captures it in CUDA graphs (``mk_alignment_scope`` exists for that).
+    graph_safe = True
+    #: DeepGEMM JIT-compiles each GEMM shape with nvcc on its first call.
+    compiles = True
+
+    @classmethod
+    def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        return super()._supports_device(problem, sku) or vllm_deepgemm()[1]
+
+    @classmethod
+    def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
+        reason = super()._supports_problem(problem, sku)
+        if reason:
+            return reason
+        if problem.router_weight_on_input and problem.topk != 1:
+            return "vLLM applies the router weight on the input for top-1 routing only"
+        return shape_reason(problem)
+
+    @classmethod
+    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+        run = layer(problem, weights.w13, weights.w2, weights.w13_scale, weights.w2_scale)
+
+        def fn(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+            return write(run(x, topk_weights, topk_ids), out)
+
+        return fn
