@@ -20,10 +20,17 @@ and ``vllm_flash_attn/_vllm_fa3_C.abi3.so.xz`` (``ENGINE_OPS``), because
 ``vllm.model_executor.layers.attention`` imports ``vllm.vllm_flash_attn``, which raises
 ImportError on CUDA unless one of its compiled libraries loads, whichever attention backend runs.
 
+``--deepgemm`` adds vLLM's vendored DeepGEMM (``vllm/third_party/deep_gemm``; its ``.py`` files are
+in the sources already): ``third_party/deep_gemm/_C_extension.abi3.so.xz`` (``DEEPGEMM_OPS``, 30 MB,
+5 MB compressed; built on torch's stable ABI, linking libcudart.so.13 as the GPU image's torch
+does) and ``deep_gemm_include.tar.xz``, the CUTLASS/CuTe and DeepGEMM headers its JIT compiles
+kernels against with nvcc (``DEEPGEMM_INCLUDE``, 29 MB, 1 MB compressed). Then ``import
+vllm.third_party.deep_gemm`` works there, and vLLM finds it (``has_deep_gemm``).
+
 Each part folder holds its pieces and ``manifest.json`` (every piece of every part with its
 SHA-256), so the unpacker knows when it has all of them.
 
-    python scripts/vllm_device_pack.py 0.34.0 --out .vllm-pack --part-mb 46 [--engine]
+    python scripts/vllm_device_pack.py 0.34.0 --out .vllm-pack --part-mb 46 [--engine] [--deepgemm]
     # -> .vllm-pack/p1 .. pN: carry one per call, then run vllm_device_unpack.py on it
 """
 
@@ -67,6 +74,10 @@ ENGINE_DEPS = (
 #: ``__init__`` raises without FA2 or FA3); Triton attention runs none of it. FA3 rather than
 #: FA2: 25 MB compressed against 65, and both import only stable-ABI libtorch symbols.
 ENGINE_OPS = ("vllm_flash_attn/_vllm_fa3_C.abi3.so",)
+#: vLLM's vendored DeepGEMM: its library (registers ``torch.ops.deep_gemm``), and the headers its
+#: JIT needs at first use of each kernel (``deep_gemm._C.init`` is given the package folder).
+DEEPGEMM_OPS = ("third_party/deep_gemm/_C_extension.abi3.so",)
+DEEPGEMM_INCLUDE = "third_party/deep_gemm/include"
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64")
@@ -79,8 +90,9 @@ def pip_download(dest: Path, *what: str) -> None:
                     *flags, "-d", str(dest), *what], check=True)
 
 
-def pieces(version: str, work: Path, engine: bool = False) -> list[Path]:
-    """Every file to carry, built in ``work``; ``engine`` adds what the offline engine needs."""
+def pieces(version: str, work: Path, engine: bool = False, deepgemm: bool = False) -> list[Path]:
+    """Every file to carry, built in ``work``; ``engine`` adds what the offline engine needs,
+    ``deepgemm`` vLLM's vendored DeepGEMM."""
     deps = work / "deps"
     deps.mkdir()
     pip_download(deps, *DEPS, *(ENGINE_DEPS if engine else ()))
@@ -93,14 +105,30 @@ def pieces(version: str, work: Path, engine: bool = False) -> list[Path]:
     (wheel,) = wheel_dir.glob("vllm-*.whl")
     out = sorted(deps.iterdir()) + [src]
     with zipfile.ZipFile(wheel) as zf:
-        for name in OPS + (ENGINE_OPS if engine else ()):
+        for name in OPS + (ENGINE_OPS if engine else ()) + (DEEPGEMM_OPS if deepgemm else ()):
             packed = work / f"{name}.xz"
             packed.parent.mkdir(parents=True, exist_ok=True)
             with zf.open(f"vllm/{name}") as raw, lzma.open(packed, "wb", preset=9) as xz:
                 shutil.copyfileobj(raw, xz, 1 << 24)
             out.append(packed)
+        if deepgemm:
+            out.append(headers(zf, work / "deep_gemm_include.tar.xz"))
     shutil.rmtree(wheel_dir)
     return out
+
+
+def headers(zf: zipfile.ZipFile, dest: Path) -> Path:
+    """``DEEPGEMM_INCLUDE`` from the wheel as an xz tar whose paths start at ``vllm/`` (the
+    unpacker extracts it into the site)."""
+    prefix = f"vllm/{DEEPGEMM_INCLUDE}/"
+    with tarfile.open(dest, "w:xz", preset=9) as tar:
+        for info in zf.infolist():
+            if info.filename.startswith(prefix) and not info.is_dir():
+                entry = tarfile.TarInfo(info.filename)
+                entry.size = info.file_size
+                with zf.open(info) as data:
+                    tar.addfile(entry, data)
+    return dest
 
 
 def split(path: Path, limit: int) -> list[Path]:
@@ -124,11 +152,14 @@ def main() -> None:
     parser.add_argument("--part-mb", type=float, default=46.0)
     parser.add_argument("--engine", action="store_true",
                         help="also what vllm.LLM needs on CUDA (ENGINE_DEPS, ENGINE_OPS)")
+    parser.add_argument("--deepgemm", action="store_true",
+                        help="also vLLM's vendored DeepGEMM (DEEPGEMM_OPS, DEEPGEMM_INCLUDE)")
     args = parser.parse_args()
     limit = int(args.part_mb * 1e6)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        files = [c for p in pieces(args.version, work, args.engine) for c in split(p, limit)]
+        files = [c for p in pieces(args.version, work, args.engine, args.deepgemm)
+                 for c in split(p, limit)]
         parts: list[list[Path]] = []
         for f in sorted(files, key=lambda p: -p.stat().st_size):  # first fit, largest first
             size = f.stat().st_size
@@ -137,7 +168,8 @@ def main() -> None:
             if home is None:
                 parts.append(home := [])
             home.append(f)
-        manifest = {"version": args.version, "engine": args.engine, "parts": len(parts),
+        manifest = {"version": args.version, "engine": args.engine,
+                    "deepgemm": args.deepgemm, "parts": len(parts),
                     "pieces": {str(f.relative_to(work)): sha256(f) for f in files}}
         shutil.rmtree(args.out, ignore_errors=True)
         total = 0
@@ -151,7 +183,8 @@ def main() -> None:
             total += size
             print(f"{folder}: {size / 1e6:.1f} MB")
         print(f"{len(parts)} parts, {total / 1e6:.1f} MB in all ({len(files)} pieces"
-              f"{', with the engine' if args.engine else ''})")
+              f"{', with the engine' if args.engine else ''}"
+              f"{', with DeepGEMM' if args.deepgemm else ''})")
 
 
 if __name__ == "__main__":

@@ -37,8 +37,15 @@ def assemble(stage: Path, site: Path, manifest: dict) -> None:
                     "--no-compile", "--upgrade", "--target", str(site), *wheels], check=True)
     with tarfile.open(stage / "src.tar.xz") as tar:
         tar.extractall(site, filter="tar")
+    # Other trees (DeepGEMM's headers), their paths from the site, in chunks where they were split.
+    for tree in sorted({p.split(".tar.xz")[0] for p in manifest["pieces"] if ".tar.xz" in p}
+                       - {"src"}):
+        chunks = [stage / p for p in sorted(manifest["pieces"]) if p.split(".tar.xz")[0] == tree]
+        with _Joined(chunks) as f, tarfile.open(fileobj=f, mode="r|") as tar:
+            tar.extractall(site, filter="tar")
     for packed in sorted({p.split(".xz")[0] for p in manifest["pieces"] if ".so.xz" in p}):
         chunks = [stage / p for p in sorted(manifest["pieces"]) if p.split(".xz")[0] == packed]
+        (site / "vllm" / packed).parent.mkdir(parents=True, exist_ok=True)
         with (site / "vllm" / packed).open("wb") as out, _Joined(chunks) as f:
             shutil.copyfileobj(f, out, 1 << 24)
 
@@ -93,6 +100,8 @@ def main() -> None:
         assemble(args.stage, args.site, manifest)
         ready.write_text(digest)
     what = "with its offline engine" if manifest.get("engine") else "(MoE path)"
+    if manifest.get("deepgemm"):
+        what += " and DeepGEMM"
     print(f"ready: vLLM {manifest['version']} {what} in {args.site}")
 
 

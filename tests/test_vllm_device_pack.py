@@ -11,6 +11,7 @@ import os
 import subprocess
 import sys
 import tarfile
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -28,15 +29,23 @@ def _sources(path: Path) -> None:
             tar.addfile(info, io.BytesIO(b"\n"))
 
 
-def _libraries(engine: bool) -> dict[str, bytes]:
-    names = pack.OPS + (pack.ENGINE_OPS if engine else ())
+def _libraries(engine: bool, deepgemm: bool = False) -> dict[str, bytes]:
+    names = pack.OPS + (pack.ENGINE_OPS if engine else ()) + (pack.DEEPGEMM_OPS if deepgemm
+                                                               else ())
     return {name: os.urandom(3000 + 100 * i) for i, name in enumerate(names)}  # incompressible
 
 
-def _pack(tmp: Path, out: Path, engine: bool, monkeypatch: pytest.MonkeyPatch) -> dict:
-    libraries = _libraries(engine)
+#: A header of DeepGEMM's include tree, incompressible so that its tar is split into chunks.
+HEADER = f"vllm/{pack.DEEPGEMM_INCLUDE}/deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh"
 
-    def pieces(version: str, work: Path, engine: bool = False) -> list[Path]:
+
+def _pack(tmp: Path, out: Path, engine: bool, monkeypatch: pytest.MonkeyPatch,
+          deepgemm: bool = False) -> dict:
+    libraries = _libraries(engine, deepgemm)
+    header = os.urandom(2500)
+
+    def pieces(version: str, work: Path, engine: bool = False,
+               deepgemm: bool = False) -> list[Path]:
         (work / "deps").mkdir()
         (work / "deps" / "a-1-py3-none-any.whl").write_bytes(b"wheel")
         _sources(work / "src.tar.xz")
@@ -46,13 +55,22 @@ def _pack(tmp: Path, out: Path, engine: bool, monkeypatch: pytest.MonkeyPatch) -
             packed.parent.mkdir(parents=True, exist_ok=True)
             packed.write_bytes(lzma.compress(data))
             made.append(packed)
+        if deepgemm:  # the real headers() on a stand-in wheel holding one header
+            wheel = work / "w.zip"
+            with zipfile.ZipFile(wheel, "w") as zf:
+                zf.writestr(HEADER, header)
+                zf.writestr("vllm/other.py", "")
+            with zipfile.ZipFile(wheel) as zf:
+                made.append(pack.headers(zf, work / "deep_gemm_include.tar.xz"))
+            wheel.unlink()
         return made
 
     monkeypatch.setattr(pack, "pieces", pieces)
-    argv = ["pack", "0.34.0", "--out", str(out), "--part-mb", "0.002"] + ["--engine"] * engine
+    argv = (["pack", "0.34.0", "--out", str(out), "--part-mb", "0.002"] + ["--engine"] * engine
+            + ["--deepgemm"] * deepgemm)
     monkeypatch.setattr(sys, "argv", argv)
     pack.main()
-    return libraries
+    return {**libraries, **({HEADER.removeprefix("vllm/"): header} if deepgemm else {})}
 
 
 def _unpack(part: Path, tmp: Path, monkeypatch: pytest.MonkeyPatch,
@@ -98,3 +116,26 @@ def test_other_pack_assembles_again(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert (tmp_path / "site" / "vllm" / pack.ENGINE_OPS[0]).exists()
     _unpack(sorted((tmp_path / "engine").iterdir())[0], tmp_path, monkeypatch, capsys)
     assert len(no_pip) == 2  # the same pack again: nothing to do
+
+
+def test_deepgemm_library_and_headers_land_in_the_vendored_package(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_pip: list) -> None:
+    """``--deepgemm``: DeepGEMM's library beside its ``.py`` files and its JIT headers under
+    ``include/``, both split into chunks and joined, so ``vllm.third_party.deep_gemm`` imports."""
+    files = _pack(tmp_path, tmp_path / "pack", False, monkeypatch, deepgemm=True)
+    printed = capsys.readouterr().out
+    assert "with DeepGEMM" in printed
+    parts = sorted((tmp_path / "pack").iterdir())
+    pieces = {p.name for part in parts for p in part.rglob("*") if p.is_file()}
+    assert "deep_gemm_include.tar.xz.001" in pieces  # the headers' tar exceeded a part
+    for part in parts:
+        done = _unpack(part, tmp_path, monkeypatch, capsys)
+    assert "ready: vLLM 0.34.0 (MoE path) and DeepGEMM" in done
+    deep_gemm = tmp_path / "site" / "vllm" / "third_party" / "deep_gemm"
+    assert (deep_gemm / "_C_extension.abi3.so").read_bytes() == files[pack.DEEPGEMM_OPS[0]]
+    for name, data in files.items():
+        assert (tmp_path / "site" / "vllm" / name).read_bytes() == data
+    assert sorted(p.relative_to(deep_gemm / "include").as_posix()
+                  for p in (deep_gemm / "include").rglob("*") if p.is_file()) == [
+        "deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh"]
