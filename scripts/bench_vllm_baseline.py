@@ -5,7 +5,8 @@ Usage (on a GPU where vLLM's Triton MoE path imports and its compiled ops load, 
 there with ``scripts/vllm_device_pack.py``):
 
     python scripts/bench_vllm_baseline.py [--presets mixtral-8x7b,...] [--buckets 1,64,4096]
-        [--rounds 3] [--budget-s 400] [--commit SHA] [--json OUT.jsonl] > report.md
+        [--rounds 3] [--budget-s 400] [--commit SHA] [--json OUT.jsonl]
+        [--also vllm_deepgemm,...] > report.md
 
 With ``--json``, buckets already in that file are not measured again (a run that stopped at
 its budget resumes where it stopped) and the glue section runs once all buckets are in.
@@ -18,7 +19,10 @@ replays of 10 calls, each on its own batch):
   vLLM itself: what vLLM of the installed version runs for the layer;
 * ``emulated``: what moetune measured every speedup against before: aiter's fork of vLLM's
   Triton GEMM (``aiter_triton``) with vLLM's config as moetune read it, torch glue between;
-* ``winner``: the shipped table's winner for the bucket (``runtime/tables/<SKU>.db``).
+* ``winner``: the shipped table's winner for the bucket (``runtime/tables/<SKU>.db``);
+* ``--also``: more kernels by registry name (their seed parameters), e.g. ``vllm_deepgemm``:
+  vLLM's DeepGEMM experts, timed in the same rotation and reported in a table of their own, with
+  the reason where one is not eligible and the wall time of its first call (a JIT compile).
 
 A ratio is the median of the per-round ratios. The glue section times vLLM's own compiled ops
 (``silu_and_mul``, ``moe_sum``, ``moe_align_block_size``) and the prepare step's fp8 activation
@@ -71,12 +75,14 @@ def table_winners(sku: SKU) -> dict[tuple[str, int], dict[str, Any]]:
     return out
 
 
-def candidates(problem: MoEProblem, sku: SKU, row: dict[str, Any] | None
-               ) -> dict[str, tuple[str, dict[str, Any]]]:
+def candidates(problem: MoEProblem, sku: SKU, row: dict[str, Any] | None,
+               also: tuple[str, ...] = ()) -> dict[str, tuple[str, dict[str, Any]]]:
     emulated = vllm_config_variants(problem, sku)[0][0]
     out = {"vllm": ("vllm_triton", {}), "emulated": ("aiter_triton", emulated)}
     if row is not None:
         out["winner"] = (row["kernel"], row["params"])
+    for name in also:
+        out[name] = (name, default_registry.get(name).seed_params(problem, sku) or {})
     return out
 
 
@@ -86,7 +92,11 @@ def prepared(problem: MoEProblem, kernel: str, params: dict[str, Any], weights: 
     record: dict[str, Any] = {"kernel": kernel, "params": params}
     try:
         fn = default_registry.get(kernel).prepare(problem, params, weights)
-        err = relative_error(fn(*inputs[0]), ref)
+        start = time.perf_counter()
+        got = fn(*inputs[0])
+        torch.cuda.synchronize()
+        record["first_call_s"] = time.perf_counter() - start  # a JIT compile, where one runs
+        err = relative_error(got, ref)
         record["error"] = err
         if not err <= tolerance(problem):
             record["skipped"] = f"relative error {err:.3g} > {tolerance(problem)}"
@@ -108,12 +118,17 @@ def timed_rounds(fns: dict[str, Any], inputs: list, rounds: int) -> dict[str, li
 
 
 def bench_bucket(name: str, problem: MoEProblem, sku: SKU, weights: Any,
-                 row: dict[str, Any] | None, rounds: int) -> dict[str, Any]:
+                 row: dict[str, Any] | None, rounds: int,
+                 also: tuple[str, ...] = ()) -> dict[str, Any]:
     inputs = [make_batch(problem, "cuda", seed=1000 * problem.num_tokens + i).args()
               for i in range(GRAPH_CALLS)]
     ref = default_registry.get("reference").prepare(problem, {}, weights)(*inputs[0])
     fns, records = {}, {}
-    for key, (kernel, params) in candidates(problem, sku, row).items():
+    for key, (kernel, params) in candidates(problem, sku, row, also).items():
+        ok, why = default_registry.get(kernel).supports(problem, sku) if key in also else (1, 0)
+        if not ok:
+            records[key] = {"kernel": kernel, "params": params, "skipped": why}
+            continue
         fn, records[key] = prepared(problem, kernel, params, weights, inputs, ref)
         if fn is not None:
             fns[key] = fn
@@ -121,10 +136,11 @@ def bench_bucket(name: str, problem: MoEProblem, sku: SKU, weights: Any,
     for key, ts in times.items():
         records[key]["us"] = statistics.median(ts)
         records[key]["rounds_us"] = ts
-    for key in ("emulated", "winner"):
-        if key in times and "vllm" in times:
-            records[key]["over_vllm"] = statistics.median(
-                v / t for v, t in zip(times["vllm"], times[key]))
+    for key in ("emulated", "winner", *also):
+        for base in ("vllm", "winner"):
+            if key in times and base in times and key != base:
+                records[key][f"over_{base}"] = statistics.median(
+                    v / t for v, t in zip(times[base], times[key]))
     if row is not None:
         records.setdefault("winner", {})["stored_speedup"] = row["stored_speedup"]
     return {"preset": name, "tokens": problem.num_tokens, **records}
@@ -179,7 +195,10 @@ def main() -> int:
     parser.add_argument("--budget-s", type=float, default=420)
     parser.add_argument("--commit", default="unknown")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--also", default="",
+                        help="more kernels to time beside vLLM's pick, by registry name")
     args = parser.parse_args()
+    also = tuple(n for n in args.also.split(",") if n)
     deadline = time.monotonic() + args.budget_s
     code, why = vllm_triton()
     if code is None:
@@ -199,6 +218,7 @@ def main() -> int:
           "winner over vLLM | stored speedup (over emulated) |")
     print("|---|---|---|---|---|---|---|---|---|")
     summary: dict[str, list[float]] = {}
+    results: list[dict[str, Any]] = []
     for name in args.presets.split(","):
         shape = preset(name).shape
         buckets = [int(t) for t in args.buckets.split(",")]
@@ -214,7 +234,7 @@ def main() -> int:
                 continue
             if result is None:
                 result = bench_bucket(name, problem, sku, weights, rows.get((repr(shape), m)),
-                                      args.rounds)
+                                      args.rounds, also)
                 if log:
                     log.write(json.dumps(result) + "\n")
                     log.flush()
@@ -222,6 +242,7 @@ def main() -> int:
             sys.stdout.flush()
             if "over_vllm" in result.get("winner", {}):
                 summary.setdefault(name, []).append(result["winner"]["over_vllm"])
+            results.append(result)
             torch.cuda.empty_cache()
         del weights
         torch.cuda.empty_cache()
@@ -233,6 +254,8 @@ def main() -> int:
     goal = [r for n in GOAL for r in summary.get(n, [])]
     print(f"\nOver the goal's presets: {geomean(goal):.3f}x raw, "
           f"{geomean([max(r, 1.0) for r in goal]):.3f}x served.\n")
+    if also:
+        print(_also_table(results, also))
     if time.monotonic() > deadline:
         print("The glue section runs once every bucket is measured.")
         return 0
@@ -257,6 +280,24 @@ def _done(path: str | None) -> dict[tuple[str, int], dict[str, Any]]:
     except FileNotFoundError:
         return {}
     return {(r["preset"], r["tokens"]): r for r in records if "tokens" in r}
+
+
+def _also_table(results: list[dict[str, Any]], also: tuple[str, ...]) -> str:
+    """The ``--also`` kernels per bucket: time, against vLLM's pick and the table's winner."""
+    lines = ["## More kernels (--also)\n", "| preset | M | kernel | us | over vLLM | over winner "
+             "| first call s | error |", "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        for key in also:
+            rec = r.get(key, {})
+            if "us" not in rec:
+                lines.append(f"| {r['preset']} | {r['tokens']} | {key} | "
+                             f"({rec.get('skipped', 'not measured')[:120]}) | | | | |")
+                continue
+            over = [f"{rec[k]:.3f}x" if k in rec else "-" for k in ("over_vllm", "over_winner")]
+            lines.append(f"| {r['preset']} | {r['tokens']} | {key} | {rec['us']:.1f} | "
+                         f"{over[0]} | {over[1]} | {rec.get('first_call_s', 0):.1f} | "
+                         f"{rec.get('error', float('nan')):.3g} |")
+    return "\n".join(lines) + "\n"
 
 
 def _line(r: dict[str, Any]) -> str:
