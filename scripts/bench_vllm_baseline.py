@@ -125,7 +125,7 @@ def bench_bucket(name: str, problem: MoEProblem, sku: SKU, weights: Any,
     ref = default_registry.get("reference").prepare(problem, {}, weights)(*inputs[0])
     fns, records = {}, {}
     for key, (kernel, params) in candidates(problem, sku, row, also).items():
-        ok, why = default_registry.get(kernel).supports(problem, sku) if key in also else (1, 0)
+        ok, why = default_registry.get(kernel).supports(problem, sku) if key in also else (True, None)
         if not ok:
             records[key] = {"kernel": kernel, "params": params, "skipped": why}
             continue
