@@ -15,7 +15,7 @@ environment like the image's, bench/results/vllm-import-closure-2026-12-07). The
   ops (59 and 26 MB), split into chunks where one exceeds a part.
 
 ``--engine`` adds what ``vllm.LLM`` (the offline engine, with Triton attention) imports beyond
-that on CUDA (bench/results/vllm-engine-closure-2026-12-07): the wheels ``ENGINE_DEPS`` (7 MB)
+that on CUDA (bench/results/vllm-engine-closure-2026-12-07): the wheels ``ENGINE_DEPS`` (16 MB)
 and ``vllm_flash_attn/_vllm_fa3_C.abi3.so.xz`` (``ENGINE_OPS``), because
 ``vllm.model_executor.layers.attention`` imports ``vllm.vllm_flash_attn``, which raises
 ImportError on CUDA unless one of its compiled libraries loads, whichever attention backend runs.
@@ -69,6 +69,17 @@ OPS = ("_C_stable_libtorch.abi3.so", "_moe_C_stable_libtorch.abi3.so")
 ENGINE_DEPS = (
     "anyio>=4.10.0,<5", "fastapi>=0.133.0,<0.137.0", "jiter>=0.16.0,<1", "openai>=2.25.0",
     "oss-harmony>=0.0.11", "sniffio", "starlette>=1.0.1", "typing-extensions>=4.16.0",
+    # Imported inside functions on the engine's start, so the import closure missed them: the
+    # CLI-argument parser behind ``LLM``'s log line (partial-json-parser), the model loader's
+    # online-quantization check (compressed-tensors with loguru). The rest of vLLM's pure
+    # requirements came with them in the run that started the engine on an H100
+    # (bench/results/vllm-e2e-h100-2026-12-07); flashinfer, the CUTLASS DSL and numba did not.
+    "partial-json-parser", "compressed-tensors==0.17.0", "loguru", "depyf==0.20.0", "astor",
+    "dill", "blake3", "protobuf", "sentencepiece", "tiktoken", "lm-format-enforcer==0.11.3",
+    "outlines_core==0.2.14", "lark==1.2.2", "interegular", "diskcache", "frozendict",
+    "jsonschema", "referencing", "rpds-py", "jsonschema-specifications", "orjson",
+    "prometheus-fastapi-instrumentator", "pyyaml", "six", "watchfiles", "python-json-logger",
+    "ijson", "setproctitle", "psutil",
 )
 #: Flash-attention's Hopper library: only for ``vllm.vllm_flash_attn`` to import (its
 #: ``__init__`` raises without FA2 or FA3); Triton attention runs none of it. FA3 rather than

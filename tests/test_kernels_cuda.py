@@ -75,7 +75,7 @@ def _params(name: str, problem: MoEProblem) -> dict:
         return E2E
     if name in ("torch_scaled_grouped", "moetune_grouped_mm", "vllm_triton"):
         return {}
-    if name == "moetune_decode":
+    if name in ("moetune_decode", "moetune_decode_one"):
         return default_registry.get(name).seed_params(problem, H200)
     if name == "moetune_grouped":  # gate and up tiles of GEMM1 fit in float32 too
         return {**with_prefix({**OTHER, "BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64}, "g1_"),

@@ -44,6 +44,10 @@ class FlashInferCutlassKernel(BaseKernel):
 
     name = "flashinfer_cutlass"
     layout = WeightLayout.FLASHINFER_W31
+    #: Timed beside the rule by ``scripts/bench_vllm_baseline.py --also``, not tuned into tables:
+    #: no layer the plugin serves holds this layout, and a bucket whose winner a layer cannot
+    #: run goes back to vLLM's pick (``Dispatcher._decide``), losing a plain-layout winner.
+    candidate = False
     vendors = frozenset({Vendor.NVIDIA})
     #: ``FlashInferExperts._supports_current_device``: sm_90 exactly, or the sm_100/sm_120
     #: families; FlashInfer's block-scale path raises off sm_90 (``_supports_problem``).

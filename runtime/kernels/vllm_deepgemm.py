@@ -28,6 +28,10 @@ class VllmDeepGemmKernel(BaseKernel):
 
     name = "vllm_deepgemm"
     layout = WeightLayout.DEEP_GEMM
+    #: Timed beside the rule by ``scripts/bench_vllm_baseline.py --also``, not tuned into tables:
+    #: no layer the plugin serves holds this layout, and a bucket whose winner a layer cannot
+    #: run goes back to vLLM's pick (``Dispatcher._decide``), losing a plain-layout winner.
+    candidate = False
     vendors = frozenset({Vendor.NVIDIA})
     min_sm = 90
     #: ``_supports_quant_scheme``: 128x128 block-fp8 weights with dynamic 1x128 activations;
