@@ -27,7 +27,9 @@ case (8 output tokens):
   (``--latency-lengths PROMPT/OUTPUT``), each the median of ``--repeats``; time per output token
   = (t_OUTPUT - t_1) / (OUTPUT - 1), the prefill left out;
 * a greedy check: 8 prompts of 64 tokens, 32 output tokens with their log-probabilities, compared
-  across all processes (off with off shows the engine's own run-to-run differences);
+  across all processes (off with off shows the engine's own run-to-run differences; with
+  ``--control-configs DIR`` a third process per round runs vLLM's own kernel at the tuned
+  configs in DIR, so the check shows what rounding alone does to this model's tokens);
 * with ``--profile`` (CUDA), the GPU time of every kernel in two windows under torch's profiler
   (a decode window: the largest batch of 128-token prompts generating 64 tokens; a prefill
   window: that many 1000-token prompts generating 1): vLLM's experts kernels by name give the
@@ -221,7 +223,8 @@ def child(spec_path: str, out: str) -> None:
             profiles[window] = kernel_times(lambda: run(prompts, o))
     device = (torch.cuda.get_device_name() if spec["device"] == "cuda" else "cpu")
     Path(out).write_text(json.dumps({
-        "mode": os.environ.get("MOETUNE_MODE"), "startup_s": startup_s, "device": device,
+        "mode": os.environ.get("MOETUNE_E2E_LABEL") or os.environ.get("MOETUNE_MODE"),
+        "startup_s": startup_s, "device": device,
         "vllm": vllm.__version__, "torch": torch.__version__, "throughput": throughput,
         "latency": latency, "check": check, "profile": profiles, "stats": serving.stats()}))
 
@@ -438,6 +441,10 @@ def main() -> None:
     parser.add_argument("--attention", help="attention backend (default TRITON_ATTN on cuda)")
     parser.add_argument("--vllm-dummy-weights", action="store_true", help="vLLM's +-1e-3 "
                         "weights as they are (default: scaled, see scaled())")
+    parser.add_argument("--control-configs", type=Path, help="a third process per round: "
+                        "MOETUNE_MODE=off with VLLM_TUNED_CONFIG_FOLDER=DIR, vLLM's own kernel "
+                        "at other tuned configs, whose greedy tokens show how far rounding "
+                        "alone moves this model's (the check table)")
     parser.add_argument("--eager", action="store_true", default=None,
                         help="enforce_eager instead of vLLM's default torch.compile and CUDA "
                         "graphs (default on the CPU)")
@@ -468,7 +475,8 @@ def main() -> None:
     runs = []
     if args.resume and args.json.exists():
         runs = [json.loads(line) for line in args.json.read_text().splitlines() if line]
-    done = len(runs) // 2
+    per_round = 3 if args.control_configs else 2
+    done = len(runs) // per_round
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         config = write_model(args.preset, work / "model", args.layers, args.dtype)
@@ -486,18 +494,22 @@ def main() -> None:
         lookup = {"MOETUNE_TABLE": str(args.table.resolve())} if args.table else {}
         for i in range(done, done + args.rounds):
             modes = [("off", {}), ("lookup", lookup)]
+            if args.control_configs:
+                modes.append(("control", {"VLLM_TUNED_CONFIG_FOLDER":
+                                          str(args.control_configs.resolve())}))
             random.Random(i).shuffle(modes)
             for mode, env in modes:
                 out = work / f"{mode}-{i}.json"
                 log = (args.json.parent if args.json else work) / f"{args.preset}-{mode}-{i}.log"
                 print(f"round {i + 1}: MOETUNE_MODE={mode}", flush=True)
                 runs.append(run_child(__file__, [str(work / "spec.json"), str(out)], out, log,
-                                      MOETUNE_MODE=mode, **env, **offline))
+                                      MOETUNE_MODE="off" if mode == "control" else mode,
+                                      MOETUNE_E2E_LABEL=mode, **env, **offline))
                 runs[-1]["plugin_log"] = [line for line in log.read_text().splitlines()
                                           if "moetune" in line][:PLUGIN_LINES]
                 if args.json:
                     args.json.write_text("".join(json.dumps(r) + "\n" for r in runs))
-    args.rounds = len(runs) // 2
+    args.rounds = len(runs) // per_round
     text = report(args, config, runs, today)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
