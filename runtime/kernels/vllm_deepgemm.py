@@ -13,26 +13,23 @@ Triton pick and moetune's winners; it serves nothing yet.
 
 from __future__ import annotations
 
-from typing import Any
-
-import torch
-
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, WeightLayout, write
-from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.kernels._vllm_layer import VllmLayerKernel
+from moetune.runtime.kernels.base import WeightLayout
+from moetune.runtime.platform import SKU
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 from moetune.runtime.vllm.deepgemm import layer, shape_reason, vllm_deepgemm
 
 
-class VllmDeepGemmKernel(BaseKernel):
+class VllmDeepGemmKernel(VllmLayerKernel):
     """vLLM's ``DeepGemmExperts`` in its modular kernel, behind its no-DP prepare step."""
 
     name = "vllm_deepgemm"
+    build = staticmethod(layer)
     layout = WeightLayout.DEEP_GEMM
     #: Timed beside the rule by ``scripts/bench_vllm_baseline.py --also``, not tuned into tables:
     #: no layer the plugin serves holds this layout, and a bucket whose winner a layer cannot
     #: run goes back to vLLM's pick (``Dispatcher._decide``), losing a plain-layout winner.
     candidate = False
-    vendors = frozenset({Vendor.NVIDIA})
     min_sm = 90
     #: ``_supports_quant_scheme``: 128x128 block-fp8 weights with dynamic 1x128 activations;
     #: its other pair (MXFP8 1x32) is Blackwell's, a scheme moetune has not.
@@ -43,8 +40,6 @@ class VllmDeepGemmKernel(BaseKernel):
     #: (``_supports_no_act_and_mul`` is False).
     activations = frozenset({Activation.SILU})
     gated = True
-    #: vLLM captures it in CUDA graphs (``mk_alignment_scope`` exists for that).
-    graph_safe = True
     #: DeepGEMM JIT-compiles each GEMM shape with nvcc on its first call.
     compiles = True
 
@@ -54,19 +49,4 @@ class VllmDeepGemmKernel(BaseKernel):
 
     @classmethod
     def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        reason = super()._supports_problem(problem, sku)
-        if reason:
-            return reason
-        if problem.router_weight_on_input and problem.topk != 1:
-            return "vLLM applies the router weight on the input for top-1 routing only"
-        return shape_reason(problem)
-
-    @classmethod
-    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
-        run = layer(problem, weights.w13, weights.w2, weights.w13_scale, weights.w2_scale)
-
-        def fn(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-            return write(run(x, topk_weights, topk_ids), out)
-
-        return fn
+        return super()._supports_problem(problem, sku) or shape_reason(problem)

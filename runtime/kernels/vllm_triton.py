@@ -22,51 +22,30 @@ from typing import Any, Callable, ClassVar
 
 import torch
 
-from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param, write
+from moetune.runtime.kernels._vllm_layer import VllmLayerKernel
+from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param, write
 from moetune.runtime.kernels.triton_config import (check_config, config_of, config_params,
                                                    vllm_config)
-from moetune.runtime.platform import SKU, Vendor
+from moetune.runtime.platform import SKU
 from moetune.runtime.problem import Activation, DType, MoEProblem, QuantScheme
 from moetune.runtime.vllm.triton import config_override, layer, vllm_triton
 
 
-class VllmTritonKernel(BaseKernel):
+class VllmTritonKernel(VllmLayerKernel):
     """vLLM's ``TritonExperts`` in its modular kernel, behind its no-DP prepare step."""
 
     name = "vllm_triton"
-    vendors = frozenset({Vendor.NVIDIA})
+    build = staticmethod(layer)
     quants = frozenset({QuantScheme.NONE, QuantScheme.FP8_PER_TENSOR,
                         QuantScheme.FP8_PER_CHANNEL, QuantScheme.FP8_BLOCK_128X128})
     dtypes = frozenset({DType.FLOAT16, DType.BFLOAT16})
     #: The serving-relevant path; vLLM's gated GELU is its exact erf form, not compared here.
     activations = frozenset({Activation.SILU})
     gated = True
-    #: Captured in CUDA graphs as vLLM's engine captures it: no host sync in the path.
-    graph_safe = True
-    compiles = True
 
     @classmethod
     def _supports_device(cls, problem: MoEProblem, sku: SKU) -> str | None:
         return super()._supports_device(problem, sku) or vllm_triton()[1]
-
-    @classmethod
-    def _supports_problem(cls, problem: MoEProblem, sku: SKU) -> str | None:
-        reason = super()._supports_problem(problem, sku)
-        if reason:
-            return reason
-        if problem.router_weight_on_input and problem.topk != 1:
-            return "vLLM applies the router weight on the input for top-1 routing only"
-        return None
-
-    @classmethod
-    def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
-        run = layer(problem, weights.w13, weights.w2, weights.w13_scale, weights.w2_scale)
-
-        def fn(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-               out: torch.Tensor | None = None) -> torch.Tensor:
-            return write(run(x, topk_weights, topk_ids), out)
-
-        return fn
 
 
 class VllmTritonTunedKernel(VllmTritonKernel):
@@ -114,7 +93,7 @@ class VllmTritonTunedKernel(VllmTritonKernel):
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
-        run = layer(problem, weights.w13, weights.w2, weights.w13_scale, weights.w2_scale)
+        run = cls.build(problem, weights.w13, weights.w2, weights.w13_scale, weights.w2_scale)
         setting = cls.in_engine(problem, params)
 
         def fn(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,

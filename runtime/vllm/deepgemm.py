@@ -164,24 +164,4 @@ def layer(problem: MoEProblem, w13: torch.Tensor, w2: torch.Tensor, w13_scale: t
     if problem.quant is not QuantScheme.FP8_BLOCK_128X128:
         raise ValueError(f"DeepGemmExperts runs 128x128 block fp8 only, not {problem.quant}")
     w13, w2, w13_scale, w2_scale = held_weights(code, w13, w2, w13_scale, w2_scale)
-    return modular(code, problem, w13, w2, w13_scale, w2_scale)
-
-
-def modular(code: SimpleNamespace, problem: MoEProblem, w13: torch.Tensor, w2: torch.Tensor,
-            w13_scale: torch.Tensor, w2_scale: torch.Tensor) -> triton.LayerFn:
-    """``DeepGemmExperts`` behind vLLM's no-DP prepare step, on weights vLLM's DEEPGEMM
-    backend prepared, as ``triton.layer`` builds ``TritonExperts``: one modular kernel."""
-    vllm = code.triton
-    triton.workspace(w13.device)
-    experts = code.experts(triton.moe_config(vllm, problem, w13.device),
-                           triton.quant_config(vllm, problem, w13_scale, w2_scale))
-    kernel = vllm.modular_kernel.FusedMoEKernel(
-        vllm.no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular(), experts)
-    activation = vllm.activation(problem.activation.value)
-    num_experts, on_input = problem.num_experts, problem.router_weight_on_input
-
-    def run(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
-        return kernel.apply(x, w13, w2, topk_weights, topk_ids, activation, num_experts, None,
-                            on_input)
-
-    return run
+    return triton.modular(code.triton, code.experts, problem, w13, w2, w13_scale, w2_scale)

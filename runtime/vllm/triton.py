@@ -114,9 +114,18 @@ def layer(problem: MoEProblem, w13: torch.Tensor, w2: torch.Tensor,
     code, why = vllm_triton()
     if code is None:
         raise RuntimeError(why)
+    return modular(code, code.experts, problem, w13, w2, w13_scale, w2_scale)
+
+
+def modular(code: SimpleNamespace, experts_class: type, problem: MoEProblem, w13: torch.Tensor,
+            w2: torch.Tensor, w13_scale: torch.Tensor | None,
+            w2_scale: torch.Tensor | None) -> LayerFn:
+    """``experts_class`` (``TritonExperts`` or another of vLLM's experts classes) in vLLM's
+    modular kernel behind its no-DP prepare step, for a layer of ``problem`` holding these
+    weights as that class expects them, as a function."""
     workspace(w13.device)
-    experts = code.experts(moe_config(code, problem, w13.device),
-                           quant_config(code, problem, w13_scale, w2_scale))
+    experts = experts_class(moe_config(code, problem, w13.device),
+                            quant_config(code, problem, w13_scale, w2_scale))
     kernel = code.modular_kernel.FusedMoEKernel(
         code.no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular(), experts)
     activation = code.activation(problem.activation.value)
