@@ -5,7 +5,7 @@ compared with the float32 reference. Stops at the first size that raises or is w
 the kernel, its params and the bucket it was prepared at.
 
     CUDA_LAUNCH_BLOCKING=1 python scripts/check_served_sizes.py --preset qwen3-30b-a3b \\
-        [--table T] [--sizes 1-128,256,1000,8192,16384]
+        [--table T] [--sizes 1-128,256,1000,8192,16384] [--device cpu]
 """
 
 from __future__ import annotations
@@ -38,18 +38,19 @@ def sizes(text: str) -> list[int]:
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--preset", required=True)
-    parser.add_argument("--table", help="default: the table serving uses on this GPU")
+    parser.add_argument("--table", help="default: the table serving uses on this device")
     parser.add_argument("--sizes", default=DEFAULT_SIZES)
-    args = parser.parse_args()
-    sku = detect_sku("cuda")
+    parser.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
+    args = parser.parse_args(argv)
+    sku = detect_sku(args.device)
     shape = preset(args.preset).shape
     dispatcher = Dispatcher.load(args.table or default_table(sku), sku)
     plan = ShapePlan.build(dispatcher, shape, WeightLayout.PLAIN)
     print(plan.summary())
-    weights = make_weights(shape.problem(1), "cuda")
+    weights = make_weights(shape.problem(1), args.device)
     fns = {key: plan.registry.get(key[0]).prepare(shape.problem(m), choice.params, weights)
            for key, (m, choice) in plan.kernels().items()}
     prepared_at = {key: m for key, (m, _) in plan.kernels().items()}
@@ -59,12 +60,13 @@ def main() -> int:
         if choice.key is None:
             print(f"M={n}: {choice.label()}")
             continue
-        batch = make_batch(shape.problem(n), "cuda", seed=n)
+        batch = make_batch(shape.problem(n), args.device, seed=n)
         out = torch.empty_like(batch.x)
         label = f"M={n}: {choice.kernel} {choice.params} (prepared at M={prepared_at[choice.key]})"
         try:
             fns[choice.key](*batch.args(), out=out)
-            torch.cuda.synchronize()
+            if out.is_cuda:
+                torch.cuda.synchronize()
         except Exception as e:  # noqa: BLE001 - the point is to name what failed
             print(f"{label}: FAILED {type(e).__name__}: {e}")
             return 1
