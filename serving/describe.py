@@ -88,17 +88,6 @@ def differs(experts: Any, cls: type, w13: torch.Tensor, w2: torch.Tensor,
     return ""
 
 
-def unrouted_rows(facts: VllmFacts) -> bool:
-    """Whether calls may carry padding rows routed nowhere (``topk_ids`` -1, weight 0): the
-    routers of ``facts``' version mark a padded batch's extra rows so (CUDA graphs pad every
-    batch to a captured size) unless ``VLLM_MOE_SKIP_PADDING`` is off."""
-    if not facts.padding_ids:
-        return False
-    import vllm.envs
-
-    return bool(vllm.envs.VLLM_MOE_SKIP_PADDING)
-
-
 def padded(experts: Any, facts: VllmFacts) -> bool:
     """Whether this layer's calls may carry padding rows (``topk_ids`` all -1, garbage
     activations) in the version of ``facts``: its all2all hands over ``PaddedStandard``."""

@@ -43,13 +43,13 @@ import torch
 
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.problem import QuantScheme
+from moetune.runtime.vllm import versions
 from moetune.runtime.vllm.classes import (DEFER_PROPERTY, TRITON, ExpertsSpec, Held,
                                           check_fallback, check_method, check_property, own)
 from moetune.serving import op, prepack
 from moetune.serving.call import (APPLY_PARAMS, HIDDEN_STATES, LOAD_PARAMS, W1, W2, ApplyCall,
                                   op_args, wrap)
-from moetune.serving.describe import (describe, differs, layer_weights, padded,
-                                      unrouted_rows)
+from moetune.serving.describe import describe, differs, layer_weights, padded
 from moetune.serving.layer import Layer
 from moetune.serving.quant import quantize_input
 from moetune.serving.settings import Mode
@@ -168,7 +168,7 @@ def _attach(experts: Any, cls: type, spec: ExpertsSpec, state: PluginState, w13:
         shape, why = (None, not_ours) if not_ours else describe(
             experts, w13, w2, on_input, spec.defers_input_quant)
         pads = shape is not None and padded(experts, state.vllm)
-        unrouted = shape is not None and unrouted_rows(state.vllm)
+        unrouted = shape is not None and versions.unrouted_rows(state.vllm)
     except Exception as e:  # noqa: BLE001 - e.g. an attribute vLLM renamed
         shape, why = None, f"vLLM internals differ ({type(e).__name__}: {e})"
         pads = unrouted = False

@@ -74,12 +74,38 @@ def test_lookup_tuned_and_untuned_shapes(tiny_table):
                    "--device", "cpu")
     assert tuned.exit_code == 0, tuned.output
     assert "source:  table" in tuned.output and "bucket M=1" in tuned.output
+    # What serving does before a moetune kernel where the installed vLLM routes padding rows
+    # nowhere (vLLM's own kernel skips them itself).
+    from moetune.runtime.vllm import versions
+
+    facts = versions.facts_of(versions.installed())
+    moetune_kernel = "pick:    vLLM's own kernel" not in tuned.output
+    padding = moetune_kernel and facts is not None and versions.unrouted_rows(facts)
+    assert ("padding: slots vLLM routes nowhere" in tuned.output) == padding
     other = invoke("lookup", "--table", tiny_table, "--preset", "tiny", "--hidden", 256,
                    "--num-tokens", 7, "--device", "cpu")
     assert "source:  rule" in other.output and "shape not in table" in other.output
     problem = dataclasses.replace(preset("tiny").shape.problem(7), hidden_size=256)
     rule = rule_choice(problem, detect_sku("cpu"))
     assert rule.kernel in other.output  # vLLM's CPU kernel where vLLM is installed
+
+
+def test_lookup_says_padding_rows_are_routed_first_where_vllm_routes_them_nowhere(
+        tmp_path, monkeypatch):
+    """Before a moetune kernel, serving sends the slots vLLM's routers leave without an expert
+    (-1: a batch padded to a CUDA graph's size) to expert 0 at weight 0; lookup says so exactly
+    where the installed vLLM does that."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh --vllm)")
+    from moetune.runtime.vllm import versions
+    from tests.vllm_tables import write_winners
+
+    table = write_winners(tmp_path / "t.db", preset("tiny").shape, [1], "torch_grouped")
+    args = ("lookup", "--table", table, "--preset", "tiny", "--num-tokens", 1, "--device", "cpu")
+    facts = versions.facts_of(versions.installed())
+    assert facts is not None and facts.padding_ids
+    assert "padding: slots vLLM routes nowhere" in invoke(*args).output
+    monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "0")
+    assert "padding:" not in invoke(*args).output
 
 
 def test_doctor_reports_device_and_eligibility():

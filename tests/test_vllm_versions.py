@@ -34,7 +34,7 @@ from moetune.runtime.vllm import configs, versions  # noqa: E402
 from moetune.runtime.vllm.classes import TRITON  # noqa: E402
 from moetune.serving import hook  # noqa: E402
 from moetune.runtime.kernels._routes import routable  # noqa: E402
-from moetune.serving.describe import describe, unrouted_rows  # noqa: E402
+from moetune.serving.describe import describe  # noqa: E402
 from moetune.serving.layer import unpadded  # noqa: E402
 from moetune.serving.settings import Settings  # noqa: E402
 from moetune.serving.state import PluginState  # noqa: E402
@@ -242,9 +242,9 @@ def test_padding_ids_fact_is_the_routers():
 
 def test_rows_routed_nowhere_are_expected_exactly_while_vllm_skips_padding(monkeypatch):
     monkeypatch.delenv("VLLM_MOE_SKIP_PADDING", raising=False)
-    assert unrouted_rows(FACTS) == FACTS.padding_ids
+    assert versions.unrouted_rows(FACTS) == FACTS.padding_ids
     monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "0")
-    assert not unrouted_rows(FACTS)
+    assert not versions.unrouted_rows(FACTS)
 
 
 def test_a_batch_padded_for_a_cuda_graph_gives_every_real_row_what_vllm_computes(hooked_triton):

@@ -115,3 +115,14 @@ def installed_facts() -> VllmFacts:
     """The facts of the installed vLLM; the newest supported release's where it is not a
     supported one (the plugin refuses to hook it: ``unsupported``)."""
     return facts_of(installed()) or FACTS[NEWEST]
+
+
+def unrouted_rows(facts: VllmFacts) -> bool:
+    """Whether MoE calls may carry padding rows routed nowhere (``topk_ids`` -1, weight 0): the
+    routers of ``facts``' version mark a padded batch's extra rows so (CUDA graphs pad every
+    batch to a captured size) unless ``VLLM_MOE_SKIP_PADDING`` is off."""
+    if not facts.padding_ids:
+        return False
+    import vllm.envs
+
+    return bool(vllm.envs.VLLM_MOE_SKIP_PADDING)
