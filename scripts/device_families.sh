@@ -12,7 +12,9 @@
 # `tune` goes on with the buckets it has not finished. Every call packs what there is into
 # $OUT/families.tgz (what comes back from the machine is a few files).
 #   OUT=... COMMIT=<sha> bash scripts/device_families.sh [tests] [decode] [tune]   (default: all)
+# (DEVICE=cpu SHIPPED=T WORST="tiny:1,16" runs the `tune` step on the CPU: a check of the step.)
 set -u
+DEVICE=${DEVICE:-cuda}
 SITE=${SITE:-/tmp/vllm-site}
 STATE=${STATE:-/tmp/moetune-families}
 BUDGET_S=${BUDGET_S:-540}
@@ -23,8 +25,8 @@ mkdir -p "$STATE"
 export PYTHONPATH=$SITE:$HOME/site:${PYTHONPATH:-} VLLM_USE_DEEP_GEMM=0
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
 deadline=$(( $(date +%s) + BUDGET_S ))
-shipped=$(python3 -c "from moetune.runtime.platform import detect_sku; from moetune.runtime.dispatcher import shipped_table; print(shipped_table(detect_sku('cuda')))")
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$STATE/gpu.txt"
+shipped=${SHIPPED:-$(python3 -c "from moetune.runtime.platform import detect_sku; from moetune.runtime.dispatcher import shipped_table; print(shipped_table(detect_sku('cuda')))")}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader > "$STATE/gpu.txt" 2>&1
 echo "commit ${COMMIT:-unknown}, table $shipped" >> "$STATE/gpu.txt"
 steps=${*:-tests decode tune}
 for step in $steps; do
@@ -49,7 +51,7 @@ for step in $steps; do
         left=$(( deadline - $(date +%s) ))
         (( left < 60 )) && { echo "budget spent before $item"; break; }
         echo "== ${item%%:*} at ${item#*:} tokens, ${left}s left"
-        timeout --signal=TERM --kill-after=15 "$left" moetune tune --device cuda \
+        timeout --signal=TERM --kill-after=15 "$left" moetune tune --device "$DEVICE" \
           --preset "${item%%:*}" --buckets "${item#*:}" --output "$fresh" --skip-tuned \
           >> "$STATE/tune.log" 2>&1
         echo "   exit $?"; grep -E "^M=" "$STATE/tune.log" | sed 's/{.*}//' | cut -c1-150 | tail -4
@@ -58,7 +60,7 @@ for step in $steps; do
         moetune merge "$shipped" "$fresh" --output "$STATE/merged.db" > "$STATE/merge.txt" 2>&1
         python3 scripts/bench_roofline.py "$shipped" > "$STATE/roofline-before.md" 2>&1
         python3 scripts/bench_roofline.py "$STATE/merged.db" > "$STATE/roofline-after.md" 2>&1
-        moetune show "$fresh" --device cuda > "$STATE/families-show.txt" 2>&1
+        moetune show "$fresh" --device "$DEVICE" > "$STATE/families-show.txt" 2>&1
         tail -8 "$STATE/roofline-after.md" && touch "$STATE/tune.done"
       fi ;;
     *) echo "unknown step $step (tests, decode, tune)"; exit 2 ;;
