@@ -10,7 +10,7 @@ activations stay in the compute dtype (W8A16), which is also more accurate than 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
 from moetune.runtime.kernels._own_triton import OwnTritonKernel
@@ -73,17 +73,10 @@ class MoetuneDecodeKernel(OwnTritonKernel):
         h, i = problem.hidden_size, problem.intermediate_size
         halves = 2 if problem.gated else 1
         for gemm, n, k, tiles in (("g1", i, h, halves), ("g2", h, i, 1)):
-            block_n, block_k = params[f"{gemm}_BLOCK_N"], params[f"{gemm}_BLOCK_K"]
-            per_thread = tiles * block_n * block_k // (32 * params[f"{gemm}_num_warps"])
-            if per_thread > MAX_ACC_PER_THREAD:
-                return (f"{gemm}: {per_thread} float32 accumulators per thread "
-                        f"(at most {MAX_ACC_PER_THREAD}: more spill)")
-            for what, block, size in (("BLOCK_N", block_n, n), ("BLOCK_K", block_k, k)):
-                if block > max(_pow2(size), cls.choices(f"{gemm}_{what}")[0]):
-                    return (f"{gemm}_{what}={block} exceeds {size} (a smaller tile computes "
-                            "the same)")
-            if problem.quant is QuantScheme.FP8_BLOCK_128X128 and 128 % block_n:
-                return f"{gemm}_BLOCK_N={block_n} spans two 128-row scale blocks"
+            reason = tile_reason(problem, gemm, (f"{gemm}_BLOCK_N", f"{gemm}_BLOCK_K"), n, k,
+                                 tiles, params[f"{gemm}_num_warps"], params, cls.choices)
+            if reason:
+                return reason
         split, reduce = params["SPLIT_K"], params["REDUCE"]
         if split > -(-i // params["g2_BLOCK_K"]):
             return (f"SPLIT_K={split} leaves splits of I={i} empty at "
@@ -117,10 +110,10 @@ class MoetuneDecodeKernel(OwnTritonKernel):
 
         def tile(n: int, k: int, ns: tuple[int, ...], ks: tuple[int, ...], parts: int,
                  widest: int) -> tuple[int, int]:
-            fits = [b for b in ns if b <= max(min(widest, _pow2(n)), ns[0])]
+            fits = [b for b in ns if b <= max(min(widest, pow2(n)), ns[0])]
             block_n = next((b for b in reversed(fits) if pairs * -(-n // b) >= programs),
                            fits[0])
-            ks = [b for b in ks if b <= max(min(longest, _pow2(k)), ks[0])]
+            ks = [b for b in ks if b <= max(min(longest, pow2(k)), ks[0])]
             block_k = next(b for b in reversed(ks) if parts * block_n * b <= limit or b == ks[0])
             return block_n, block_k
 
@@ -141,6 +134,27 @@ class MoetuneDecodeKernel(OwnTritonKernel):
         return launcher(problem, params, weights)
 
 
-def _pow2(n: int) -> int:
+def tile_reason(problem: MoEProblem, label: str, names: tuple[str, str], n: int, k: int,
+                tiles: int, num_warps: int, params: dict[str, Any],
+                choices: Callable[[str], tuple[Any, ...]]) -> str | None:
+    """Why one GEMV tile of a decode kernel (``names``: its BLOCK_N and BLOCK_K parameters, over
+    ``n`` output rows and ``k`` deep; ``tiles`` float32 accumulator tiles: gate and up) should
+    not run: accumulators that spill, a tile wider than the GEMM (a smaller one computes the
+    same), or rows across two 128-row fp8 scale blocks. ``label`` names the GEMM."""
+    (name_n, name_k), block_n, block_k = names, params[names[0]], params[names[1]]
+    per_thread = tiles * block_n * block_k // (32 * num_warps)
+    if per_thread > MAX_ACC_PER_THREAD:
+        return (f"{label}: {per_thread} float32 accumulators per thread "
+                f"(at most {MAX_ACC_PER_THREAD}: more spill)")
+    for name, block, size in ((name_n, block_n, n), (name_k, block_k, k)):
+        if block > max(pow2(size), choices(name)[0]):
+            return f"{name}={block} exceeds {size} (a smaller tile computes the same)"
+    if problem.quant is QuantScheme.FP8_BLOCK_128X128 and 128 % block_n:
+        return f"{name_n}={block_n} spans two 128-row scale blocks"
+    return None
+
+
+def pow2(n: int) -> int:
+    """The smallest power of two at least ``n``."""
     return 1 << (n - 1).bit_length()
 

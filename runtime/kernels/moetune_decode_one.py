@@ -14,15 +14,14 @@ from typing import Any
 
 from moetune.runtime.kernels._own_triton import OwnTritonKernel
 from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
+from moetune.runtime.kernels.moetune_decode import MAX_ACC_PER_THREAD, pow2, tile_reason
 from moetune.runtime.platform import SKU, Vendor, detect_sku
-from moetune.runtime.problem import DType, MoEProblem, QuantScheme
+from moetune.runtime.problem import DType, MoEProblem
 
 #: Routed pairs (num_tokens x topk) up to which it is offered: 8 tokens of a top-8 layer. The
 #: counters are sized for them, and beyond, GEMM1's pairs re-read shared experts' rows (no
 #: expert grouping) and the launch gap it saves is a smaller share of the layer.
 MAX_PAIRS = 64
-#: float32 accumulators per thread a tile may need (gate and up, or W2): more spill.
-MAX_ACC_PER_THREAD = 64
 
 
 class MoetuneDecodeOneKernel(OwnTritonKernel):
@@ -56,17 +55,10 @@ class MoetuneDecodeOneKernel(OwnTritonKernel):
         h, i = problem.hidden_size, problem.intermediate_size
         halves = 2 if problem.gated else 1
         for gemm, n, k, tiles in (("1", i, h, halves), ("2", h, i, 1)):
-            block_n, block_k = params[f"BLOCK_N{gemm}"], params[f"BLOCK_K{gemm}"]
-            per_thread = tiles * block_n * block_k // (32 * params["num_warps"])
-            if per_thread > MAX_ACC_PER_THREAD:
-                return (f"GEMM{gemm}: {per_thread} float32 accumulators per thread "
-                        f"(at most {MAX_ACC_PER_THREAD}: more spill)")
-            for what, block, size in (("BLOCK_N", block_n, n), ("BLOCK_K", block_k, k)):
-                if block > max(_pow2(size), cls.choices(f"{what}{gemm}")[0]):
-                    return (f"{what}{gemm}={block} exceeds {size} (a smaller tile computes the "
-                            "same)")
-            if problem.quant is QuantScheme.FP8_BLOCK_128X128 and 128 % block_n:
-                return f"BLOCK_N{gemm}={block_n} spans two 128-row scale blocks"
+            reason = tile_reason(problem, f"GEMM{gemm}", (f"BLOCK_N{gemm}", f"BLOCK_K{gemm}"),
+                                 n, k, tiles, params["num_warps"], params, cls.choices)
+            if reason:
+                return reason
         return None
 
     @classmethod
@@ -84,10 +76,10 @@ class MoetuneDecodeOneKernel(OwnTritonKernel):
 
         def tile(n: int, k: int, gemm: str, parts: int, widest: int) -> tuple[int, int]:
             ns, ks = cls.choices(f"BLOCK_N{gemm}"), cls.choices(f"BLOCK_K{gemm}")
-            fits = [b for b in ns if b <= max(min(widest, _pow2(n)), ns[0])]
+            fits = [b for b in ns if b <= max(min(widest, pow2(n)), ns[0])]
             block_n = next((b for b in reversed(fits) if pairs * -(-n // b) >= programs),
                            fits[0])
-            ks = [b for b in ks if b <= max(min(longest, _pow2(k)), ks[0])]
+            ks = [b for b in ks if b <= max(min(longest, pow2(k)), ks[0])]
             block_k = next(b for b in reversed(ks) if parts * block_n * b <= limit or b == ks[0])
             return block_n, block_k
 
@@ -106,6 +98,3 @@ class MoetuneDecodeOneKernel(OwnTritonKernel):
         sm_count = detect_sku(str(device)).compute_units if device.type == "cuda" else 1
         return launcher(problem, params, weights, sm_count)
 
-
-def _pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
