@@ -48,6 +48,8 @@ class Step(NamedTuple):
     key: tuple[str, str] | None = None
     graph_safe: bool = False
     around: Callable[[], AbstractContextManager[None]] | None = None
+    #: ``fn`` takes slots routed nowhere as they are (``BaseKernel.skips_unrouted``).
+    skips_unrouted: bool = False
 
 
 _MISS, _FALLBACK, _HIT = Outcome.MISS.value, Outcome.FALLBACK.value, Outcome.HIT.value
@@ -141,7 +143,9 @@ class Layer:
         fn = self.fns.get(choice.key)
         if fn is None:  # no runnable weights here, or the kernel failed
             return Step(None, _FALLBACK)
-        return Step(fn, _HIT, choice.key, choice.graph_safe)
+        assert self.plan is not None  # a layer with prepared kernels has a plan
+        skips = self.plan.registry.get(choice.key[0]).skips_unrouted
+        return Step(fn, _HIT, choice.key, choice.graph_safe, skips_unrouted=skips)
 
     def run(self, args: tuple[Any, ...]) -> Any:
         """One experts call (``args``: ``ApplyCall``'s fields): the table's winner into
@@ -188,7 +192,8 @@ class Layer:
 
         A kernel that is not ``graph_safe`` never runs while a CUDA graph is being captured
         (its host sync would break the capture): vLLM's kernel is captured instead. Nor does one
-        run on activations vLLM quantized: none was tuned on them.
+        run on activations vLLM quantized: none was tuned on them. Slots routed nowhere (padding
+        rows) reach a kernel that ``skips_unrouted`` as they are; others get them made routable.
         """
         if call.expert_map is not None or not (step.graph_safe or not self.capturing()):
             return False
@@ -198,7 +203,9 @@ class Layer:
         hidden, weights, ids = call.hidden_states, call.topk_weights, call.topk_ids
         if call.apply_router_weight_on_input:
             weights = torch.ones_like(weights)
-        if self.padded:
+        if step.skips_unrouted:
+            pass  # the kernel takes slots routed nowhere as they are: no extra launch
+        elif self.padded:
             hidden, weights, ids = unpadded(hidden, weights, ids)
         elif self.unrouted:
             weights, ids = routable(weights, ids)

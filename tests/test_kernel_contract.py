@@ -26,6 +26,7 @@ from moetune.runtime.problem import MoEProblem
 from moetune.runtime.registry import KERNEL_PATHS, default_registry
 from moetune.tuner.gate import relative_error, tolerance
 from moetune.tuner.inputs import make_batch, make_weights
+from tests.routing_checks import with_unrouted
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -88,6 +89,31 @@ def test_every_registered_kernel_matches_the_reference_or_says_why_not(name, sku
         assert fn(*batch.args(), out=out) is out, problem.describe()
         error = relative_error(out, want)
         assert error <= tolerance(problem, DEVICE), (problem.describe(), params, "out=", error)
+
+
+@pytest.mark.parametrize("name", [n for n in NAMES if default_registry.get(n).skips_unrouted])
+def test_every_kernel_skipping_unrouted_slots_matches_the_reference_without_them(name, sku):
+    """A kernel declaring ``skips_unrouted`` takes slots routed nowhere (id -1) as they are:
+    each row is the reference's without those slots, a row with none routed is zeros (its
+    activations, NaN here, unread), and so is every row of a call routed nowhere at all (a
+    CUDA graph's capture)."""
+    kernel = default_registry.get(name)
+    reference = default_registry.get("reference")
+    for problem in PROBLEMS:
+        if not kernel.supports(problem, sku)[0]:
+            continue
+        weights = make_weights(problem, DEVICE, seed=1)
+        batch = make_batch(problem, DEVICE, seed=2)
+        fn = kernel.prepare(problem, kernel.validate(_params(kernel, problem, sku)), weights)
+        for rows in (None, ()):
+            call, ref_call, empty = with_unrouted(*batch.args(), rows=rows)
+            want = reference.prepare(problem, {}, weights)(*ref_call)
+            out = torch.full_like(batch.x, float("nan"))
+            assert fn(*call, out=out) is out, problem.describe()
+            assert (out[empty] == 0).all(), (problem.describe(), rows)
+            if not empty.all():
+                error = relative_error(out, want)
+                assert error <= tolerance(problem, DEVICE), (problem.describe(), error)
 
 
 def test_every_kernel_path_names_its_class():

@@ -10,6 +10,9 @@ atomic per expert), lay the blocks out (one program per chunk of blocks: a singl
 labelling them all took 20 us of a 1.1 ms DeepSeek-V3 layer at 4096 tokens on an H200), and
 scatter. Within an expert the order comes from atomics and may vary between calls; results do
 not, since every GEMM row is computed on its own.
+
+A pair routed nowhere (``topk_ids`` -1: a padding row of a batch padded to a CUDA graph's size)
+is in no expert's group: no block holds it, so no GEMM reads it.
 """
 
 from __future__ import annotations
@@ -43,13 +46,15 @@ class Routing:
 
 @triton.jit
 def _chunk_counts(ids_ptr, start, numel, E_POW2: tl.constexpr, CHUNK: tl.constexpr):
-    """Pairs per expert among the ``CHUNK`` pairs from ``start``, counted in registers."""
+    """Pairs per expert among the ``CHUNK`` pairs from ``start``, counted in registers; a pair
+    routed nowhere (id -1) counts in no expert."""
     offs = start + tl.arange(0, CHUNK)
-    mask = offs < numel
-    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
-    # Masked lanes load expert 0; take them back out of its bin.
-    missing = tl.sum((~mask).to(tl.int32), 0)
-    return tl.histogram(ids, E_POW2) - tl.where(tl.arange(0, E_POW2) == 0, missing, 0)
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1)
+    routed = ids >= 0
+    # Lanes past the end and unrouted pairs count as expert 0; take them back out of its bin.
+    missing = tl.sum((~routed).to(tl.int32), 0)
+    return (tl.histogram(tl.where(routed, ids, 0), E_POW2)
+            - tl.where(tl.arange(0, E_POW2) == 0, missing, 0))
 
 
 @triton.jit
@@ -63,10 +68,11 @@ def _labels(block_end, first, num_experts, num_blocks, expert_ids_ptr, CHUNK: tl
 
 @triton.jit
 def _scatter(ids_ptr, cursor_ptr, sorted_ptr, start, numel, CHUNK: tl.constexpr):
-    """Each of the ``CHUNK`` pairs from ``start`` to the next free slot of its expert."""
+    """Each of the ``CHUNK`` pairs from ``start`` to the next free slot of its expert (a pair
+    routed nowhere goes nowhere)."""
     offs = start + tl.arange(0, CHUNK)
-    mask = offs < numel
-    ids = tl.load(ids_ptr + offs, mask=mask, other=0)
+    ids = tl.load(ids_ptr + offs, mask=offs < numel, other=-1)
+    mask = ids >= 0
     dest = tl.atomic_add(cursor_ptr + ids, 1, mask=mask)
     tl.store(sorted_ptr + dest, offs.to(tl.int32), mask=mask)
 

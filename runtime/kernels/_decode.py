@@ -17,6 +17,10 @@ With ``PDL`` (Hopper's programmatic dependent launch) GEMM2 launches while GEMM1
 its programs have their weight rows brought into L2 (they do not depend on GEMM1), then wait
 for GEMM1's results (``gdc_wait``), so the two launches overlap instead of running back to back.
 
+A pair routed nowhere (``topk_ids`` -1: a padding row of a batch padded to a CUDA graph's size)
+loops over nothing and reads no weights: GEMM1 stores nothing for it, and GEMM2 adds nothing
+(atomics) or stores zeros where its row is read (the output at top-1, a partial row).
+
 fp8 weights are dequantized in registers (weight-only: activations stay in the compute dtype).
 Scales: per expert (``QUANT_TENSOR``), per output row (``QUANT_CHANNEL``) or per 128x128 block
 (``QUANT_BLOCK``). For blocks a tile's rows must lie in one 128-row block (``BLOCK_N`` divides
@@ -61,6 +65,10 @@ def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
     token = pair // TOPK
     slot = pair % TOPK
     expert = tl.load(ids_ptr + token * stride_im + slot * stride_ik).to(tl.int64)
+    # A pair routed nowhere (id -1) reads expert 0's scales and no rows: its H loop is empty.
+    routed = expert >= 0
+    expert = tl.maximum(expert, 0)
+    h_end = tl.where(routed, H, 0)
 
     if ZERO:  # this token's accumulator row, spread over the I-tiles of its first slot
         offs_z = pid_n * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
@@ -80,7 +88,7 @@ def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
     up_block = (I + pid_n * BLOCK_N) // 128
     acc_gate = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(0, H, BLOCK_K):
+    for k in range(0, h_end, BLOCK_K):
         mask_k = offs_k < H - k
         x = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
         mask = mask_n[:, None] & mask_k[None, :]
@@ -116,7 +124,8 @@ def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
         gate *= weight
         up *= weight
     act = gated_act(gate, up, ACT, GATED)
-    tl.store(h_ptr + pair * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty), mask=mask_n)
+    tl.store(h_ptr + pair * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty),
+             mask=offs_n < tl.where(routed, I, 0))
 
 
 @triton.jit
@@ -133,11 +142,16 @@ def _gemm2_reduce(a_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
     token = pair // TOPK
     slot = pair % TOPK
     expert = tl.load(ids_ptr + token * stride_im + slot * stride_ik).to(tl.int64)
+    # A pair routed nowhere reads no rows (an empty I loop) and contributes zeros: stored where
+    # a row is stored, nothing added where atomics add.
+    routed = expert >= 0
+    expert = tl.maximum(expert, 0)
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < H
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, I)
+    loop_end = tl.where(routed, k_end, k_start)
     offs_k = k_start + tl.arange(0, BLOCK_K)
     w_ptrs = (w_ptr + expert * stride_we + offs_n[:, None] * stride_wn
               + offs_k[None, :] * stride_wk)
@@ -150,7 +164,7 @@ def _gemm2_reduce(a_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
                      (k_end - k_start) * (w_ptr.dtype.element_ty.primitive_bitwidth // 8))
         gdc_wait()
     acc = tl.zeros([BLOCK_N, BLOCK_K], dtype=tl.float32)
-    for k in range(k_start, k_end, BLOCK_K):
+    for k in range(k_start, loop_end, BLOCK_K):
         mask_k = offs_k < k_end - (k - k_start)
         a = tl.load(a_ptrs, mask=mask_k, other=0.0).to(tl.float32)
         if QUANT == 3:
@@ -167,11 +181,12 @@ def _gemm2_reduce(a_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, out_ptr,
         y *= tl.load(s_base + offs_n * stride_sn, mask=mask_n, other=0.0)
     if MUL_WEIGHT:
         y *= tl.load(tw_ptr + token * stride_tm + slot * stride_tk).to(tl.float32)
+    y = tl.where(routed, y, 0.0)  # whatever the slot's weight and expert 0's scales are
     if MODE == 0:
         tl.store(out_ptr + token * stride_om + offs_n, y.to(out_ptr.dtype.element_ty), mask=mask_n)
     elif MODE == 1:
         tl.atomic_add(out_ptr + token * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
-                      mask=mask_n, sem="relaxed")
+                      mask=offs_n < tl.where(routed, H, 0), sem="relaxed")
     else:
         row = pair * SPLIT_K + pid_k
         tl.store(out_ptr + row * stride_om + offs_n, y, mask=mask_n)

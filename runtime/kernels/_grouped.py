@@ -7,7 +7,9 @@ pairs sorted by expert (``_align``), with no (M * topk, H) intermediate and no s
    ``_gate_up_pairs``); the epilogue applies the scales, the router weight when it is on the input,
    the activation and the gate product, and writes the activated intermediate (pairs, I).
    Where GEMM2 adds into its output, every GEMM1 program also zeroes a share of that output
-   first (``ZERO``), so no fill launch precedes GEMM2.
+   first (``ZERO``), so no fill launch precedes GEMM2; where GEMM2 stores a row per routed
+   pair, only the rows of pairs routed nowhere (``topk_ids`` -1, which ``_align`` puts in no
+   block, so GEMM2 never reaches them) get zeros.
 2. ``_gemm2_reduce``: one program per (block of sorted pairs, ``N_TILES`` tiles of H), the
    tiles in one loop over (tile, K step) so that loads stay in flight across tiles when I is
    short; with ``N_MAJOR`` the programs take every block of pairs for one group of columns
@@ -144,6 +146,20 @@ def _zero_share(ptr, rows, cols, stride, BLOCK: tl.constexpr):
 
 
 @triton.jit
+def _zero_unrouted(ptr, ids_ptr, rows, cols, stride, BLOCK: tl.constexpr):
+    """``_zero_share``'s rows of the (rows, cols) matrix at ``ptr`` whose routed pair (the same
+    row of the flat ``topk_ids``) goes nowhere: GEMM2 never reaches them, and the torch sum or
+    the output reads them."""
+    zeros = tl.zeros([BLOCK], dtype=ptr.dtype.element_ty)
+    for row in range(tl.program_id(0), rows, tl.num_programs(0)):
+        if tl.load(ids_ptr + row) < 0:
+            base = ptr + (tl.zeros([1], dtype=tl.int64) + row) * stride
+            for first in range(0, cols, BLOCK):
+                offs = first + tl.arange(0, BLOCK)
+                tl.store(base + offs, zeros, mask=offs < cols)
+
+
+@triton.jit
 def _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H, I, xs_ptr, xs_offset, s_base,
                    stride_sn, stride_sk, QUANT: tl.constexpr, BLOCK_M: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
@@ -178,7 +194,7 @@ def _gate_up_pairs(a_ptrs, valid, offs_k, w_desc, expert, pid_n, H, I, xs_ptr, x
 
 @triton.jit
 def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, hs_ptr, sorted_ptr,
-               experts_ptr, post_ptr, zero_ptr, zero_rows, zero_cols, zero_stride, H, I, pairs,
+               experts_ptr, post_ptr, ids_ptr, zero_ptr, zero_rows, zero_cols, zero_stride, H, I, pairs,
                num_rows, stride_xm, stride_xsm, stride_we, stride_wn, stride_wk, stride_se,
                stride_sn, stride_sk, stride_hm, stride_hsm,
                TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
@@ -186,8 +202,10 @@ def _gemm1_act(x_ptr, xs_ptr, w_ptr, w_desc, s_ptr, tw_ptr, h_ptr, hs_ptr, sorte
                BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, W_TMA: tl.constexpr,
                ZERO: tl.constexpr, ONE_BLOCK: tl.constexpr, PAIR_TMA: tl.constexpr,
                SORTED: tl.constexpr, FP8_OUT: tl.constexpr, FP8_MAX: tl.constexpr):
-    if ZERO:  # GEMM2 adds into this buffer
+    if ZERO == 1:  # GEMM2 adds into this buffer
         _zero_share(zero_ptr, zero_rows, zero_cols, zero_stride, 1024)
+    if ZERO == 2:  # GEMM2 stores a row per routed pair: those routed nowhere get zeros here
+        _zero_unrouted(zero_ptr, ids_ptr, zero_rows, zero_cols, zero_stride, 1024)
     pid_m, pid_n = _tile(tl.program_id(0), num_rows, I, BLOCK_M, BLOCK_N, GROUP_M)
     if pid_m * BLOCK_M >= tl.load(post_ptr):
         return
@@ -511,10 +529,10 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
         m, topk = topk_ids.shape
         pairs = m * topk
         x = x if x.stride(1) == 1 else x.contiguous()
-        weights_flat = topk_weights.reshape(-1)
-        routing1 = align(topk_ids, config1["BLOCK_SIZE_M"], num_experts)
+        weights_flat, ids = topk_weights.reshape(-1), topk_ids.reshape(-1)
+        routing1 = align(ids, config1["BLOCK_SIZE_M"], num_experts)
         routing2 = (routing1 if config2["BLOCK_SIZE_M"] == config1["BLOCK_SIZE_M"]
-                    else align(topk_ids, config2["BLOCK_SIZE_M"], num_experts))
+                    else align(ids, config2["BLOCK_SIZE_M"], num_experts))
         if out is None:
             out = torch.empty((m, hidden), dtype=x.dtype, device=x.device)
         xq, xs = quantize(x)
@@ -532,15 +550,18 @@ def launcher(problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -
             target = torch.empty((m, hidden), dtype=torch.float32, device=x.device)
         else:
             target = out
+        # GEMM1 zeroes all of what GEMM2 adds into, or the rows of what it stores row by
+        # routed pair (a row per pair, or per token at top-1) that it never reaches.
+        zero, zero_rows = (1, m) if mode == ATOMIC else (2, pairs)
         launch(_gemm1_act, config1, rows1, inter)(
             xq, xs, w13, d13, s13, weights_flat, h, hs, routing1.sorted_token_ids,
-            routing1.expert_ids, routing1.num_tokens_post_padded, target, m, hidden,
+            routing1.expert_ids, routing1.num_tokens_post_padded, ids, target, zero_rows, hidden,
             target.stride(0), hidden, inter, pairs, rows1, xq.stride(0), xs.stride(0),
             *w13.stride(), *s13_strides, h.stride(0), hs.stride(0),
             TOPK=topk, GATED=problem.gated, ACT=act, QUANT=quant, ON_INPUT=on_input,
             BLOCK_M=config1["BLOCK_SIZE_M"], BLOCK_N=config1["BLOCK_SIZE_N"],
             BLOCK_K=config1["BLOCK_SIZE_K"], GROUP_M=config1["GROUP_SIZE_M"], W_TMA=w_tma,
-            ZERO=mode == ATOMIC, ONE_BLOCK=one_block1, PAIR_TMA=gate_up, SORTED=a_tma,
+            ZERO=zero, ONE_BLOCK=one_block1, PAIR_TMA=gate_up, SORTED=a_tma,
             FP8_OUT=fp8_out, FP8_MAX=FP8_MAX, num_warps=config1["num_warps"],
             num_stages=config1["num_stages"])
         hq, hs = ((h, hs) if fp8_out

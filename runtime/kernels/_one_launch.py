@@ -13,6 +13,11 @@ one item, and runs in two phases:
    the W2 rows of the H-tile over I against ``h``'s row, times the router weight. Top-1: the
    result is stored into ``out`` in its dtype. Top-k: the ordered reduce below.
 
+A pair routed nowhere (``topk_ids`` -1: a padding row of a batch padded to a CUDA graph's size)
+reads no weights and no activations: its GEMM1 items loop over nothing and store zeros (and
+count into ``ready`` as any other), its GEMM2 items store a zero partial (or zeros into ``out``
+at top-1) and arrive at the counters like any slot, so every count and reset is unchanged.
+
 The reduce is ordered, not atomic: each pair stores its float32 partial (pairs, H); a counter
 per (token, H-tile) counts the slots that arrived (acq_rel), and the last to arrive sums the
 token's TOPK partials in slot order, casts to the output dtype and stores into ``out``. So the
@@ -81,6 +86,8 @@ def _one_launch(x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, h_ptr, p
         token = pair // TOPK
         slot = pair % TOPK
         expert = tl.load(ids_ptr + token * stride_im + slot * stride_ik).to(tl.int64)
+        h_end = tl.where(expert >= 0, H, 0)  # routed nowhere: no rows read, zeros stored
+        expert = tl.maximum(expert, 0)
         offs_n = pid_n * BN1 + tl.arange(0, BN1)
         mask_n = offs_n < I
         offs_k = tl.arange(0, BK1)
@@ -93,7 +100,7 @@ def _one_launch(x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, h_ptr, p
         up_block = (I + pid_n * BN1) // 128
         acc_gate = tl.zeros([BN1, BK1], dtype=tl.float32)
         acc_up = tl.zeros([BN1, BK1], dtype=tl.float32)
-        for k in range(0, H, BK1):
+        for k in range(0, h_end, BK1):
             mask_k = offs_k < H - k
             x = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
             mask = mask_n[:, None] & mask_k[None, :]
@@ -141,6 +148,9 @@ def _one_launch(x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, h_ptr, p
         token = pair // TOPK
         slot = pair % TOPK
         expert = tl.load(ids_ptr + token * stride_im + slot * stride_ik).to(tl.int64)
+        routed = expert >= 0
+        i_end = tl.where(routed, I, 0)
+        expert = tl.maximum(expert, 0)
         offs_n = pid_n * BN2 + tl.arange(0, BN2)
         mask_n = offs_n < H
         offs_k = tl.arange(0, BK2)
@@ -153,7 +163,7 @@ def _one_launch(x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, h_ptr, p
             pass
         tl.debug_barrier()  # no thread reads h before the acquire
         acc = tl.zeros([BN2, BK2], dtype=tl.float32)
-        for k in range(0, I, BK2):
+        for k in range(0, i_end, BK2):
             mask_k = offs_k < I - k
             a = tl.load(a_ptrs, mask=mask_k, other=0.0, cache_modifier=".cg")
             if QUANT == 3:
@@ -171,6 +181,7 @@ def _one_launch(x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, h_ptr, p
             y *= tl.load(s_base + offs_n * stride_s2n, mask=mask_n, other=0.0)
         if not ON_INPUT:
             y *= tl.load(tw_ptr + token * stride_tm + slot * stride_tk).to(tl.float32)
+        y = tl.where(routed, y, 0.0)  # whatever the slot's weight and expert 0's scales are
         if TOPK == 1:
             tl.store(out_ptr + token * stride_om + offs_n, y.to(out_ptr.dtype.element_ty),
                      mask=mask_n)

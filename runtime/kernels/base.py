@@ -101,7 +101,7 @@ class BaseKernel(abc.ABC):
     MAY set: what it runs on and what it computes, as data (the capability fields below:
     ``supports`` checks them, so a kernel declares them instead of writing checks); ``params``
     (default: none), ``layout`` (default PLAIN), ``candidate`` (False keeps a kernel out of
-    tuning, like the float32 reference), ``graph_safe``, ``compiles``.
+    tuning, like the float32 reference), ``graph_safe``, ``compiles``, ``skips_unrouted``.
     MAY override: ``_supports_device``, ``_supports_quant``, ``_supports_problem`` for what is
     not data (returning ``super()``'s verdict where theirs passes), ``check_params``
     (constraints across parameters, e.g. shared memory), ``seed_params``, ``gemm_configs`` and
@@ -118,6 +118,13 @@ class BaseKernel(abc.ABC):
     #: True if the first call with new parameters compiles (Triton JIT): the tuner then runs
     #: it once ahead of timing, in parallel with other such candidates.
     compiles: ClassVar[bool] = False
+    #: True if the prepared callable takes ``topk_ids`` entries of -1 (a slot routed nowhere,
+    #: as vLLM's routers give the padding rows of a batch padded to a CUDA graph's size) and
+    #: such a slot contributes nothing, with no extra launch: a row with no routed slot comes
+    #: out zero (as vLLM's ``TritonExperts`` leaves it) and its activations are never read
+    #: (they may be garbage, even not finite); every other row is exactly what it is without
+    #: those slots. False: serving first sends such slots to expert 0 at weight 0 (one launch).
+    skips_unrouted: ClassVar[bool] = False
 
     # --- capabilities ------------------------------------------------------------------------
     #: The vendors it runs on.

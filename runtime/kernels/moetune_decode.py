@@ -57,6 +57,8 @@ class MoetuneDecodeKernel(OwnTritonKernel):
         Param("PDL", PDL, default=0),
     )
     kernels_module = "moetune.runtime.kernels._decode"
+    #: A pair routed nowhere loops over nothing (``_decode``).
+    skips_unrouted = True
 
     # --- eligibility -------------------------------------------------------------------------
     @classmethod

@@ -39,6 +39,9 @@ class MoetuneDecodeOneKernel(OwnTritonKernel):
         Param("PROGRAMS_PER_SM", (1, 2, 3, 4)),
     )
     kernels_module = "moetune.runtime.kernels._one_launch"
+    #: A pair routed nowhere loops over nothing and still completes its counters
+    #: (``_one_launch``).
+    skips_unrouted = True
 
     # --- eligibility -------------------------------------------------------------------------
     @classmethod

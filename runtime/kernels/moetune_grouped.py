@@ -76,6 +76,9 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         Param("g1_PAIR_TMA", PAIR_TMA, default=0),
         Param("REDUCE", REDUCES))
     kernels_module = "moetune.runtime.kernels._grouped"
+    #: Pairs routed nowhere are in no expert's group (``_align``); GEMM1 zeroes their rows
+    #: where GEMM2 stores by pair (``_grouped``).
+    skips_unrouted = True
 
     # --- parameters --------------------------------------------------------------------------
     @classmethod
