@@ -27,7 +27,7 @@ from moetune.runtime.registry import default_registry
 from moetune.runtime.rules import rule_choice
 from moetune.tuner.gate import relative_error, tolerance
 from moetune.tuner.inputs import Routing, make_batch, make_weights
-from tests.routing_checks import check_routing, random_ids
+from tests.routing_checks import check_routing, random_ids, with_unrouted
 
 HAS_GPU = torch.cuda.is_available() and not getattr(torch.version, "hip", None)
 cuda = pytest.mark.cuda
@@ -328,6 +328,67 @@ def test_graph_safe_kernels_replay_a_captured_graph_on_new_inputs(name, problem,
     eager = fn(*fresh)
     torch.cuda.synchronize()
     assert relative_error(captured, eager) <= 1e-6, name
+
+
+SKIPS_UNROUTED = [n for n in default_registry.names() if default_registry.get(n).skips_unrouted]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("problem", [MoEProblem(4, 256, 128, 8, 2),
+                                     MoEProblem(33, 256, 128, 8, 2),
+                                     MoEProblem(5, 256, 256, 16, 2, quant="fp8_block_128x128")],
+                         ids=lambda p: p.describe().replace(" ", "-"))
+@pytest.mark.parametrize("name", SKIPS_UNROUTED)
+@pytest.mark.parametrize("reduce", ["seed", "atomic", "atomic_out", "sum"])
+def test_kernels_skipping_unrouted_slots_run_vllms_padded_batches_and_its_capture(
+        name, problem, reduce, gpu_sku):
+    """What vLLM does with a kernel that takes slots routed nowhere (id -1) as they are: eager
+    calls give each row the reference's without those slots and zeros where none is routed
+    (their activations, NaN, unread); a CUDA graph captured on a batch routed nowhere at all
+    (vLLM's capture), replayed on real routing and on routing with padding rows, computes what
+    eager calls on those inputs compute."""
+    kernel = default_registry.get(name)
+    ok, why = kernel.supports(problem, gpu_sku)
+    if not ok:
+        pytest.skip(why)
+    params = _params(name, problem)
+    if reduce != "seed":
+        if name != "moetune_grouped":
+            pytest.skip("the reduces named are moetune_grouped's")
+        params = {**params, "REDUCE": reduce}
+    params = kernel.validate(params)
+    if kernel.check_params(problem, params) is not None:
+        pytest.skip(kernel.check_params(problem, params))
+    weights = make_weights(problem, "cuda", seed=1)
+    fn = kernel.prepare(problem, params, weights)
+    reference = default_registry.get("reference").prepare(problem, {}, weights)
+    batch = make_batch(problem, "cuda", seed=2).args()
+    padded, ref_call, empty = with_unrouted(*batch)
+    out = torch.full_like(batch[0], float("nan"))
+    fn(*padded, out=out)
+    assert (out[empty] == 0).all()
+    assert relative_error(out, reference(*ref_call)) <= TOLERANCE[problem.dtype.value]
+    capture, _, _ = with_unrouted(*batch, rows=())
+    static = tuple(t.clone() for t in capture)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and allocate outside the capture
+        fn(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(*static)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert (captured == 0).all()
+    for inputs in (make_batch(problem, "cuda", seed=3).args(), padded):
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        graph.replay()
+        eager = fn(*inputs)
+        torch.cuda.synchronize()
+        assert relative_error(captured, eager) <= 1e-6, name
 
 
 @cuda

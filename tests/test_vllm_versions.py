@@ -282,6 +282,54 @@ def test_a_batch_padded_for_a_cuda_graph_gives_every_real_row_what_vllm_computes
     assert torch.equal(ids[~pad], topk_ids[~pad]) and (topk_ids[pad] == -1).all()
 
 
+def test_a_kernel_that_skips_unrouted_slots_gets_them_as_vllm_routes_them(hooked_triton,
+                                                                          monkeypatch):
+    """A winner declaring ``skips_unrouted`` gets vLLM's ids, -1 and all, with no launch to
+    make them routable: here ``torch_grouped`` declares it, and its prepared callable records
+    what it gets before running the rows vLLM routes."""
+    if not FACTS.padding_ids:
+        pytest.skip("this vLLM's routers never route a row nowhere")
+    cls, state = hooked_triton
+    grouped = default_registry.get("torch_grouped")
+    monkeypatch.setattr(grouped, "skips_unrouted", True)
+    seen: list[torch.Tensor] = []
+    prepare = grouped.prepare
+
+    def recording(problem, params, weights_):
+        fn = prepare(problem, params, weights_)
+
+        def run(x, topk_weights, topk_ids, out=None):
+            seen.append(topk_ids)
+            routed_weights, routed_ids = routable(topk_weights, topk_ids)
+            return fn(x, routed_weights, routed_ids, out=out)
+        return run
+
+    monkeypatch.setattr(grouped, "prepare", recording)
+    monkeypatch.setattr("moetune.serving.layer.routable", _never_routable)
+    experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
+    w13, w2 = weights()
+    torch.manual_seed(2)
+    m = 8
+    x = torch.randn(m, H)
+    topk_weights = torch.rand(m, TOPK)
+    topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
+    pad = torch.arange(m) >= 5
+    topk_ids[pad], topk_weights[pad] = -1, 0.0
+    got = call(experts, x, topk_weights, topk_ids, w13, w2)
+    layer = experts.__dict__["_moetune_layer"]
+    assert layer.unrouted and layer.counts["hit"] == 1
+    assert len(seen) == 1 and torch.equal(seen[0], topk_ids) and (seen[0][pad] == -1).all()
+    reference = default_registry.get("reference").prepare(
+        Shape(H, I, E, TOPK, "float32", "none", "silu", True, False).problem(m), {},
+        MoEWeights(w13, w2, QuantScheme.NONE))
+    want = reference(x, topk_weights, topk_ids.clamp(min=0))
+    assert torch.allclose(got[~pad], want[~pad], atol=1e-5)
+
+
+def _never_routable(*args: object) -> None:
+    raise AssertionError("routable ran for a kernel that skips unrouted slots")
+
+
 def test_layers_behind_an_all2all_are_left_to_vllm():
     """Padding rows arrive only behind DeepEP v2, which is expert parallelism: such a layer
     holds part of the experts and is vLLM's, saying so."""
