@@ -106,6 +106,11 @@ def test_lookup_says_padding_rows_are_routed_first_where_vllm_routes_them_nowher
     assert "padding: slots vLLM routes nowhere" in invoke(*args).output
     monkeypatch.setenv("VLLM_MOE_SKIP_PADDING", "0")
     assert "padding:" not in invoke(*args).output
+    monkeypatch.delenv("VLLM_MOE_SKIP_PADDING")
+    from moetune.runtime.registry import default_registry
+
+    monkeypatch.setattr(default_registry.get("torch_grouped"), "skips_unrouted", True)
+    assert "padding:" not in invoke(*args).output  # such a kernel takes them as they are
 
 
 def test_doctor_reports_device_and_eligibility():

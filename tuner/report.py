@@ -168,7 +168,8 @@ def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan) ->
                      f"tuned:   {_num(s.median_us, '.1f', 'us')} (imported: no speedup measured)")
     if choice.kernel is None:
         lines.append(f"rule:    {rule.reason}")
-    elif not choice.engine and (facts := versions.facts_of(versions.installed())) is not None \
+    elif not choice.engine and not dispatcher.registry.get(choice.kernel).skips_unrouted \
+            and (facts := versions.facts_of(versions.installed())) is not None \
             and versions.unrouted_rows(facts):
         lines.append("padding: slots vLLM routes nowhere (rows of a batch padded to a CUDA "
                      "graph's size) go to expert 0 at weight 0 first, in one launch")
