@@ -52,30 +52,15 @@ STORE, ATOMIC, PARTIAL = 0, 1, 2
 
 
 @triton.jit
-def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
-               H, I, stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
-               stride_im, stride_ik, stride_tm, stride_tk, stride_hm, stride_zm,
-               TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
-               ON_INPUT: tl.constexpr, ZERO: tl.constexpr, ZERO_BLOCK: tl.constexpr,
-               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
-    if PDL:  # GEMM2 may launch once every program here has started
-        gdc_launch_dependents()
-    pair = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    token = pair // TOPK
-    slot = pair % TOPK
-    expert = tl.load(ids_ptr + token * stride_im + slot * stride_ik).to(tl.int64)
-    # A pair routed nowhere (id -1) reads expert 0's scales and no rows: its H loop is empty.
-    routed = expert >= 0
-    expert = tl.maximum(expert, 0)
-    h_end = tl.where(routed, H, 0)
-
-    if ZERO:  # this token's accumulator row, spread over the I-tiles of its first slot
-        offs_z = pid_n * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
-        zeros = tl.zeros([ZERO_BLOCK], dtype=zero_ptr.dtype.element_ty)
-        zero_len = tl.where(slot == 0, H, 0)
-        tl.store(zero_ptr + token * stride_zm + offs_z, zeros, mask=offs_z < zero_len)
-
+def gemm1_tile(x_ptr, w_ptr, s_ptr, tw_ptr, token, slot, expert, h_end, pid_n, H, I,
+               stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+               stride_tm, stride_tk,
+               GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+               ON_INPUT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """One routed pair's activated GEMM1 rows ``pid_n * BLOCK_N ...`` (gate, and up when gated,
+    against the token's activations over H; fp8 scales applied; the router weight when it is on
+    the input), and their offsets. ``h_end`` is H, or 0 for a pair routed nowhere (no rows
+    read). A GEMV in float32 registers: at decode sizes the weight reads are the cost."""
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < I
     offs_k = tl.arange(0, BLOCK_K)
@@ -123,7 +108,38 @@ def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
         weight = tl.load(tw_ptr + token * stride_tm + slot * stride_tk).to(tl.float32)
         gate *= weight
         up *= weight
-    act = gated_act(gate, up, ACT, GATED)
+    return gated_act(gate, up, ACT, GATED), offs_n
+
+
+@triton.jit
+def _gemm1_act(x_ptr, w_ptr, s_ptr, ids_ptr, tw_ptr, h_ptr, zero_ptr,
+               H, I, stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk,
+               stride_im, stride_ik, stride_tm, stride_tk, stride_hm, stride_zm,
+               TOPK: tl.constexpr, GATED: tl.constexpr, ACT: tl.constexpr, QUANT: tl.constexpr,
+               ON_INPUT: tl.constexpr, ZERO: tl.constexpr, ZERO_BLOCK: tl.constexpr,
+               BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr):
+    if PDL:  # GEMM2 may launch once every program here has started
+        gdc_launch_dependents()
+    pair = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    token = pair // TOPK
+    slot = pair % TOPK
+    expert = tl.load(ids_ptr + token * stride_im + slot * stride_ik).to(tl.int64)
+    # A pair routed nowhere (id -1) reads expert 0's scales and no rows: its H loop is empty.
+    routed = expert >= 0
+    expert = tl.maximum(expert, 0)
+    h_end = tl.where(routed, H, 0)
+
+    if ZERO:  # this token's accumulator row, spread over the I-tiles of its first slot
+        offs_z = pid_n * ZERO_BLOCK + tl.arange(0, ZERO_BLOCK)
+        zeros = tl.zeros([ZERO_BLOCK], dtype=zero_ptr.dtype.element_ty)
+        zero_len = tl.where(slot == 0, H, 0)
+        tl.store(zero_ptr + token * stride_zm + offs_z, zeros, mask=offs_z < zero_len)
+
+    act, offs_n = gemm1_tile(x_ptr, w_ptr, s_ptr, tw_ptr, token, slot, expert, h_end, pid_n, H, I,
+                             stride_xm, stride_we, stride_wn, stride_wk, stride_se, stride_sn,
+                             stride_sk, stride_tm, stride_tk,
+                             GATED, ACT, QUANT, ON_INPUT, BLOCK_N, BLOCK_K)
     tl.store(h_ptr + pair * stride_hm + offs_n, act.to(h_ptr.dtype.element_ty),
              mask=offs_n < tl.where(routed, I, 0))
 

@@ -53,7 +53,8 @@ import torch
 import triton
 import triton.language as tl
 
-from moetune.runtime.kernels._act_triton import act_code, gated_act
+from moetune.runtime.kernels._act_triton import act_code
+from moetune.runtime.kernels._decode import gemm1_tile
 from moetune.runtime.kernels._scales import CODES, scale_args
 from moetune.runtime.kernels.base import MoEFn, MoEWeights
 from moetune.runtime.problem import MoEProblem
@@ -88,54 +89,11 @@ def _one_launch(x_ptr, w1_ptr, s1_ptr, w2_ptr, s2_ptr, ids_ptr, tw_ptr, h_ptr, p
         expert = tl.load(ids_ptr + token * stride_im + slot * stride_ik).to(tl.int64)
         h_end = tl.where(expert >= 0, H, 0)  # routed nowhere: no rows read, zeros stored
         expert = tl.maximum(expert, 0)
-        offs_n = pid_n * BN1 + tl.arange(0, BN1)
+        act, offs_n = gemm1_tile(x_ptr, w1_ptr, s1_ptr, tw_ptr, token, slot, expert, h_end,
+                                 pid_n, H, I, stride_xm, stride_w1e, stride_w1n, stride_w1k,
+                                 stride_s1e, stride_s1n, stride_s1k, stride_tm, stride_tk,
+                                 GATED, ACT, QUANT, ON_INPUT, BN1, BK1)
         mask_n = offs_n < I
-        offs_k = tl.arange(0, BK1)
-        gate_ptrs = (w1_ptr + expert * stride_w1e + offs_n[:, None] * stride_w1n
-                     + offs_k[None, :] * stride_w1k)
-        up_ptrs = gate_ptrs + I * stride_w1n
-        x_ptrs = x_ptr + token * stride_xm + offs_k
-        s_base = s1_ptr + expert * stride_s1e
-        gate_block = (pid_n * BN1) // 128
-        up_block = (I + pid_n * BN1) // 128
-        acc_gate = tl.zeros([BN1, BK1], dtype=tl.float32)
-        acc_up = tl.zeros([BN1, BK1], dtype=tl.float32)
-        for k in range(0, h_end, BK1):
-            mask_k = offs_k < H - k
-            x = tl.load(x_ptrs, mask=mask_k, other=0.0).to(tl.float32)
-            mask = mask_n[:, None] & mask_k[None, :]
-            x_gate = x
-            if QUANT == 3:
-                col_blocks = ((k + offs_k) // 128) * stride_s1k
-                x_gate = x * tl.load(s_base + gate_block * stride_s1n + col_blocks, mask=mask_k,
-                                     other=0.0)
-            w = tl.load(gate_ptrs, mask=mask, other=0.0).to(tl.float32)
-            acc_gate += w * x_gate[None, :]
-            if GATED:
-                x_up = x
-                if QUANT == 3:
-                    x_up = x * tl.load(s_base + up_block * stride_s1n + col_blocks, mask=mask_k,
-                                       other=0.0)
-                w = tl.load(up_ptrs, mask=mask, other=0.0).to(tl.float32)
-                acc_up += w * x_up[None, :]
-            gate_ptrs += BK1 * stride_w1k
-            up_ptrs += BK1 * stride_w1k
-            x_ptrs += BK1
-        gate = tl.sum(acc_gate, 1)
-        up = tl.sum(acc_up, 1)
-        if QUANT == 1:
-            scale = tl.load(s_base)
-            gate *= scale
-            up *= scale
-        if QUANT == 2:
-            gate *= tl.load(s_base + offs_n * stride_s1n, mask=mask_n, other=0.0)
-            if GATED:
-                up *= tl.load(s_base + (I + offs_n) * stride_s1n, mask=mask_n, other=0.0)
-        if ON_INPUT:  # (w * x) @ W == w * (x @ W)
-            weight = tl.load(tw_ptr + token * stride_tm + slot * stride_tk).to(tl.float32)
-            gate *= weight
-            up *= weight
-        act = gated_act(gate, up, ACT, GATED)
         tl.store(h_ptr + pair * I + offs_n, act, mask=mask_n)
         tl.debug_barrier()  # every thread's stores precede the release below
         tl.atomic_add(ready_ptr + pair, 1, sem="release")
