@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine, once vLLM is assembled in /tmp/vllm-site (docs/vllm.md): the kernel families
 # added beyond the shipped tables, measured where those tables are furthest from the roofline.
-#   tests   the families' CUDA tests (vllm_triton_tuned, moetune_decode_one, padding rows)
+#   tests   the families' CUDA tests (vllm_triton_tuned, moetune_decode_one, slots routed nowhere)
 #   decode  scripts/bench_decode.py at 1-8 tokens: moetune_decode_one against moetune_decode and
 #           vLLM's pick, CUDA-graph timing
 #   tune    the worst buckets of the shipped table for this GPU searched again with every family
@@ -36,8 +36,8 @@ for step in $steps; do
   case $step in
     tests)
       timeout "$left" python3 -m pytest -q -rs -p no:cacheprovider \
-        tests/test_kernels_cuda.py tests/test_kernel_contract.py tests/test_vllm_triton_tuned.py \
-        -k "one_launch or moetune_decode_one or vllm_triton_tuned or unrouted or graph_safe" \
+        tests/test_kernels_cuda.py tests/test_kernel_contract.py tests/test_vllm_triton_tuned.py tests/test_vllm_versions.py \
+        -k "one_launch or moetune_decode_one or vllm_triton_tuned or unrouted or graph_safe or align or padded" \
         > "$STATE/tests.txt" 2>&1 && touch "$STATE/tests.done"
       tail -3 "$STATE/tests.txt" ;;
     decode)
