@@ -26,8 +26,8 @@ case (8 output tokens):
 * decode latency, per batch of ``--latency``: ``generate`` with 1 output token and with OUTPUT
   (``--latency-lengths PROMPT/OUTPUT``), each the median of ``--repeats``; time per output token
   = (t_OUTPUT - t_1) / (OUTPUT - 1), the prefill left out;
-* a greedy check: 8 prompts of 64 tokens, 32 output tokens with their log-probabilities, compared
-  across all processes (off with off shows the engine's own run-to-run differences; with
+* a greedy check: 8 prompts of 64 tokens, 32 output tokens with their log-probabilities and
+  each position's margin (top-1 less top-2 log-probability), compared across all processes (off with off shows the engine's own run-to-run differences; with
   ``--control-configs DIR`` a third process per round runs vLLM's own kernel at the tuned
   configs in DIR, so the check shows what rounding alone does to this model's tokens);
 * with ``--profile`` (CUDA), the GPU time of every kernel in two windows under torch's profiler
@@ -203,10 +203,11 @@ def child(spec_path: str, out: str) -> None:
                         "prefill_s": first, "generate_s": full,
                         "tpot_ms": (full - first) / (lat_output - 1) * 1e3})
     _, outputs = run(token_prompts(CHECK_REQUESTS, CHECK_PROMPT, vocab, seed=99), CHECK_OUTPUT,
-                     logprobs=0)
+                     logprobs=2)
     check = [{"tokens": list(x.outputs[0].token_ids),
               "logprobs": [lp[t].logprob for t, lp in zip(x.outputs[0].token_ids,
-                                                           x.outputs[0].logprobs)]}
+                                                           x.outputs[0].logprobs)],
+              "margins": [margin(lp) for lp in x.outputs[0].logprobs]}
              for x in outputs]
     profiles = {}
     if spec["profile"]:
@@ -221,6 +222,13 @@ def child(spec_path: str, out: str) -> None:
         "startup_s": startup_s, "device": device,
         "vllm": vllm.__version__, "torch": torch.__version__, "throughput": throughput,
         "latency": latency, "check": check, "profile": profiles, "stats": serving.stats()}))
+
+
+def margin(logprobs: dict) -> float:
+    """How far greedy's pick at one position is from a tie: its log-probability less the
+    runner-up's. A rounding difference larger than this can flip the token."""
+    top = sorted((x.logprob for x in logprobs.values()), reverse=True)
+    return top[0] - top[1] if len(top) > 1 else math.inf
 
 
 def kernel_times(work: Callable[[], object]) -> dict[str, float]:

@@ -33,17 +33,33 @@ def moe_split(times: dict[str, float]) -> tuple[float, float]:
 
 def compare(a: list[dict], b: list[dict]) -> dict:
     """How far two greedy checks agree: requests with the same tokens, the first position where
-    each differing request diverges, and the largest log-probability difference of the same
+    each differing request diverges, ``a``'s margin there (top-1 less top-2 log-probability,
+    where recorded: a flip where the margin is below the log-probability differences is
+    rounding, not a wrong kernel), and the largest log-probability difference of the same
     tokens before that."""
-    same, first, dlp = 0, [], 0.0
+    same, first, margins, dlp = 0, [], [], 0.0
     for x, y in zip(a, b):
         n = next((i for i, (s, t) in enumerate(zip(x["tokens"], y["tokens"])) if s != t),
                  len(x["tokens"]))
         same += n == len(x["tokens"])
         if n < len(x["tokens"]):
             first.append(n)
+            if "margins" in x:
+                margins.append(x["margins"][n])
         dlp = max([dlp] + [abs(p - q) for p, q in zip(x["logprobs"][:n], y["logprobs"][:n])])
-    return {"same": same, "of": len(a), "diverge_at": first, "max_dlogprob": dlp}
+    return {"same": same, "of": len(a), "diverge_at": first, "margins_at": margins,
+            "max_dlogprob": dlp}
+
+
+def margin_note(check: list[dict]) -> str:
+    """The margins of a greedy check's positions: how near ties its tokens are."""
+    margins = sorted(m for x in check for m in x.get("margins", []))
+    if not margins:
+        return "Margins were not recorded in these runs."
+    small = sum(m < 0.1 for m in margins)
+    return (f"Margins of the first off process (top-1 less top-2 log-probability, all "
+            f"{len(margins)} positions): median {statistics.median(margins):.3g}, smallest "
+            f"{margins[0]:.3g}; {small} under 0.1.")
 
 
 def _median_ratio(a: list[float], b: list[float]) -> float:
@@ -115,7 +131,8 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
     reference = by_mode["off"][0]["check"]
     checks = "\n".join(
         f"| {i + 1} | {r['mode']} | {c['same']}/{c['of']} | "
-        f"{', '.join(map(str, c['diverge_at'])) or '-'} | {c['max_dlogprob']:.3g} |"
+        f"{', '.join(map(str, c['diverge_at'])) or '-'} | "
+        f"{', '.join(f'{m:.3g}' for m in c['margins_at']) or '-'} | {c['max_dlogprob']:.3g} |"
         for i, r in enumerate(runs) for c in [compare(reference, r["check"])])
     stats = [r["stats"] for r in by_mode["lookup"]]
     counters = "\n".join(f"| {i + 1} | {label} | {c.get('hit', 0)} | {c.get('miss', 0)} | "
@@ -161,9 +178,11 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
 
 ## Greedy tokens against the first off process ({CHECK_REQUESTS} prompts of {CHECK_PROMPT} tokens, {CHECK_OUTPUT} output tokens)
 
-| process | mode | requests with the same tokens | first differing positions | largest log-prob difference before them |
-| --- | --- | --- | --- | --- |
+| process | mode | requests with the same tokens | first differing positions | off's margin there | largest log-prob difference before them |
+| --- | --- | --- | --- | --- | --- |
 {checks}
+
+{margin_note(reference)}
 
 ## Where the GPU time goes (`--profile`; ms of kernel time in each window, per round)
 
