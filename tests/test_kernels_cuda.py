@@ -296,6 +296,20 @@ def test_cuda_rule_emulation_picks_the_triton_kernel_with_vllms_config(monkeypat
 GRAPH_SAFE = [n for n in default_registry.names() if default_registry.get(n).graph_safe]
 
 
+def _capture(fn, static: tuple) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of ``fn`` on ``static`` as vLLM captures one: a first call on a side stream
+    compiles and allocates outside the capture."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn(*static)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = fn(*static)
+    return graph, captured
+
+
 @cuda
 @needs_gpu
 @pytest.mark.parametrize("problem", [MoEProblem(33, 256, 128, 8, 2),
@@ -313,14 +327,7 @@ def test_graph_safe_kernels_replay_a_captured_graph_on_new_inputs(name, problem,
     params = {"torch_dense": {"chunk_tokens": 32}}.get(name) or _params(name, problem)
     fn = kernel.prepare(problem, kernel.validate(params), make_weights(problem, "cuda", seed=1))
     static = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF).args()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and allocate outside the capture
-        fn(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn(*static)
+    graph, captured = _capture(fn, static)
     fresh = make_batch(problem, "cuda", seed=3).args()  # other tokens, other experts
     for buffer, value in zip(static, fresh):
         buffer.copy_(value)
@@ -371,14 +378,7 @@ def test_kernels_skipping_unrouted_slots_run_vllms_padded_batches_and_its_captur
     assert relative_error(out, reference(*ref_call)) <= TOLERANCE[problem.dtype.value]
     capture, _, _ = with_unrouted(*batch, rows=())
     static = tuple(t.clone() for t in capture)
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # compile and allocate outside the capture
-        fn(*static)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fn(*static)
+    graph, captured = _capture(fn, static)
     graph.replay()
     torch.cuda.synchronize()
     assert (captured == 0).all()

@@ -197,6 +197,22 @@ def test_a_subclass_or_object_with_its_own_finalize_is_left_to_vllm(hooked_trito
     assert not layer.fns and layer.counts["miss"] == 1
 
 
+def routed_batch(m: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``m`` rows of activations, each routed to ``TOPK`` distinct experts."""
+    torch.manual_seed(seed)
+    x, topk_weights = torch.randn(m, H), torch.rand(m, TOPK)
+    return x, topk_weights, torch.stack([torch.randperm(E)[:TOPK]
+                                         for _ in range(m)]).to(torch.int32)
+
+
+def modular(cls: type) -> tuple[object, object]:
+    """An unquantized experts object of ``cls`` inside this vLLM's real modular kernel with its
+    no-EP prepare step."""
+    experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
+    return experts, modular_kernel.FusedMoEKernel(
+        no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular(), experts)
+
+
 def test_a_padded_call_gives_what_vllms_kernel_gives(hooked_triton):
     """A call with padding rows (``topk_ids`` -1, activations garbage, as vLLM 0.34's
     ``PaddedStandard`` hands them over), through this vLLM's real modular kernel and no-EP
@@ -204,15 +220,10 @@ def test_a_padded_call_gives_what_vllms_kernel_gives(hooked_triton):
     slots and ``moe_sum`` adds nothing for them), and in every routed row what vLLM computes
     (the reference: the sum over the row's routed slots)."""
     cls, state = hooked_triton
-    experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
-    kernel = modular_kernel.FusedMoEKernel(no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular(),
-                                           experts)
+    experts, kernel = modular(cls)
     w13, w2 = weights()
-    torch.manual_seed(1)
     m = 8
-    x = torch.randn(m, H)
-    topk_weights = torch.rand(m, TOPK)
-    topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
+    x, topk_weights, topk_ids = routed_batch(m, seed=1)
     pad = torch.tensor([False, True, False, False, True, False, False, True])
     x[pad] = float("nan")  # garbage
     topk_ids[pad] = -1
@@ -253,15 +264,10 @@ def test_a_batch_padded_for_a_cuda_graph_gives_every_real_row_what_vllm_computes
     layer of those versions, and moetune's kernel, which indexes experts by id, runs them as
     expert 0 at weight 0, leaving each real row as the reference computes it."""
     cls, state = hooked_triton
-    experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
-    kernel = modular_kernel.FusedMoEKernel(no_dp_ep.MoEPrepareAndFinalizeNoDPEPModular(),
-                                           experts)
+    experts, kernel = modular(cls)
     w13, w2 = weights()
-    torch.manual_seed(2)
     m = 8
-    x = torch.randn(m, H)
-    topk_weights = torch.rand(m, TOPK)
-    topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
+    x, topk_weights, topk_ids = routed_batch(m, seed=2)
     kernel.apply(x[:1], w13, w2, topk_weights[:1], topk_ids[:1], MoEActivation.SILU, E, None,
                  False)  # attaches the layer
     layer = experts.__dict__["_moetune_layer"]
@@ -308,11 +314,8 @@ def test_a_kernel_that_skips_unrouted_slots_gets_them_as_vllm_routes_them(hooked
     monkeypatch.setattr("moetune.serving.layer.routable", _never_routable)
     experts = cls(moe_config(), vllm_config.FUSED_MOE_UNQUANTIZED_CONFIG)
     w13, w2 = weights()
-    torch.manual_seed(2)
     m = 8
-    x = torch.randn(m, H)
-    topk_weights = torch.rand(m, TOPK)
-    topk_ids = torch.stack([torch.randperm(E)[:TOPK] for _ in range(m)]).to(torch.int32)
+    x, topk_weights, topk_ids = routed_batch(m, seed=2)
     pad = torch.arange(m) >= 5
     topk_ids[pad], topk_weights[pad] = -1, 0.0
     got = call(experts, x, topk_weights, topk_ids, w13, w2)
