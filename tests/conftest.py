@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from moetune.runtime.platform import detect_sku
+from moetune.runtime.platform import Vendor, detect_sku
 from moetune.runtime.problem import MoEProblem
 from moetune.tuner.job import JobOptions, run_job
 from moetune.tuner.presets import preset
@@ -39,6 +39,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def cpu_sku():
     return detect_sku("cpu")
+
+
+@pytest.fixture
+def plugin_serves_cpu() -> None:
+    """Skip where the plugin would serve a GPU: a test handing vLLM's layers CPU tensors with a
+    CPU table needs the plugin on the CPU, and vLLM's CPU build for the MoE ops it calls."""
+    if detect_sku("auto").vendor is not Vendor.CPU:
+        pytest.skip("the plugin serves this host's GPU, and vLLM's CUDA build has no CPU MoE ops")
 
 
 @pytest.fixture

@@ -36,6 +36,12 @@ needs_gpu = pytest.mark.skipif(not HAS_GPU, reason="needs an NVIDIA GPU: torch.c
 TOLERANCE = {"float32": 5e-3, "float16": 1e-2, "bfloat16": 2e-2}
 FP8_TOLERANCE = 6e-2
 
+
+def tolerance(problem: MoEProblem) -> float:
+    """The relative error a kernel may have from the float32 reference on ``problem``."""
+    return FP8_TOLERANCE if problem.quant.is_fp8 else TOLERANCE[problem.dtype.value]
+
+
 KERNELS = ["aiter_triton", "aiter_triton_split", "aiter_triton_silu_fused",
            "aiter_triton_gelu_fused", "aiter_triton_e2e", "torch_scaled_grouped",
            "aiter_triton_persistent", "aiter_triton_silu_fused_persistent",
@@ -122,7 +128,7 @@ def test_kernel_matches_reference(name, problem, gpu_sku):
     out = kernel.prepare(problem, params, weights)(*batch.args())
     torch.cuda.synchronize()
     assert out.dtype == batch.x.dtype and out.shape == batch.x.shape
-    tol = FP8_TOLERANCE if problem.quant.is_fp8 else TOLERANCE[problem.dtype.value]
+    tol = tolerance(problem)
     err = relative_error(out, ref)
     assert err <= tol, f"{name} {problem.describe()}: relative error {err:.3g} > {tol}"
 
@@ -216,7 +222,7 @@ def test_grouped_variants_match_reference(problem, override, gpu_sku):
     batch = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF)
     ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
     out = kernel.prepare(problem, params, weights)(*batch.args())
-    tol = FP8_TOLERANCE if problem.quant.is_fp8 else TOLERANCE[problem.dtype.value]
+    tol = tolerance(problem)
     assert relative_error(out, ref) <= tol
 
 
@@ -375,7 +381,7 @@ def test_kernels_skipping_unrouted_slots_run_vllms_padded_batches_and_its_captur
     out = torch.full_like(batch[0], float("nan"))
     fn(*padded, out=out)
     assert (out[empty] == 0).all()
-    assert relative_error(out, reference(*ref_call)) <= TOLERANCE[problem.dtype.value]
+    assert relative_error(out, reference(*ref_call)) <= tolerance(problem)
     capture, _, _ = with_unrouted(*batch, rows=())
     static = tuple(t.clone() for t in capture)
     graph, captured = _capture(fn, static)

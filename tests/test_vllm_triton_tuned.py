@@ -205,7 +205,7 @@ def test_the_family_hands_vllms_launches_its_config_for_both_gemms(monkeypatch):
 
 # --- served by the plugin -----------------------------------------------------------------
 @pytest.fixture
-def hooked_triton(monkeypatch, tmp_path, cpu_sku):
+def hooked_triton(monkeypatch, tmp_path, cpu_sku, plugin_serves_cpu):
     """vLLM's real ``TritonExperts`` (its launches recorded; a launch at ``OTHER``'s tiles can
     be made to fail) hooked by the plugin with a table whose winner at M=1 and 8 is the family
     at ``OTHER`` and at M=64 the rule's pick; unhooked after the test."""

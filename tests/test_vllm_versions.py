@@ -151,7 +151,7 @@ def moe_config(parallel: vllm_config.FusedMoEParallelConfig | None = None
 
 
 @pytest.fixture
-def hooked_triton(tmp_path, cpu_sku, monkeypatch):
+def hooked_triton(tmp_path, cpu_sku, monkeypatch, plugin_serves_cpu):
     """vLLM's real ``TritonExperts`` of this version, hooked with a table whose winner for every
     bucket is moetune's ``torch_grouped`` (the hook unwrapped after the test)."""
     cls = triton_moe.TritonExperts
