@@ -74,13 +74,13 @@ def _problems() -> list[MoEProblem]:
 
 
 def _params(name: str, problem: MoEProblem) -> dict:
+    if not default_registry.get(name).params:
+        return {}
     default = vllm_default_config(problem)
     if name in ("aiter_triton", "vllm_triton_tuned"):
         return default
     if name == "aiter_triton_e2e":
         return E2E
-    if name in ("torch_scaled_grouped", "moetune_grouped_mm", "vllm_triton"):
-        return {}
     if name in ("moetune_decode", "moetune_decode_one"):
         return default_registry.get(name).seed_params(problem, H200)
     if name == "moetune_grouped":  # gate and up tiles of GEMM1 fit in float32 too
