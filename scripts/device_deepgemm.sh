@@ -12,7 +12,7 @@ SITE=${SITE:-/tmp/vllm-site}
 STATE=${STATE:-/tmp/moetune-deepgemm}
 BUCKETS=${BUCKETS:-1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096}
 mkdir -p "$STATE"
-export PYTHONPATH=$SITE:${PYTHONPATH:-}
+export PYTHONPATH=$SITE:$HOME/site:${PYTHONPATH:-}
 unset VLLM_USE_DEEP_GEMM VLLM_MOE_USE_DEEP_GEMM VLLM_USE_DEEP_GEMM_E8M0  # vLLM's defaults
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
 steps=${*:-probe tests bench}
