@@ -27,10 +27,19 @@ does) and ``deep_gemm_include.tar.xz``, the CUTLASS/CuTe and DeepGEMM headers it
 kernels against with nvcc (``DEEPGEMM_INCLUDE``, 29 MB, 1 MB compressed). Then ``import
 vllm.third_party.deep_gemm`` works there, and vLLM finds it (``has_deep_gemm``).
 
+``--flashinfer`` adds FlashInfer (``FLASHINFER``) and the two small wheels its import needs
+beyond ``DEPS`` (``FLASHINFER_DEPS``): none of its other requirements (the CUTLASS DSL, NCCL,
+cuDNN's frontend, cuda-python, ...) is imported on the way to
+``flashinfer.fused_moe.cutlass_fused_moe`` (bench/results/flashinfer-closure-2026-12-07). Its
+wheel is pure Python plus the CUDA sources its JIT compiles (421 MB), deflated file by file into
+62 MB; ``flashinfer.tar.xz`` holds the same files in 16 MB, and extracting it into the site is
+what installing the wheel does (it has no ``.data``; only its ``flashinfer`` command is left out).
+
 Each part folder holds its pieces and ``manifest.json`` (every piece of every part with its
 SHA-256), so the unpacker knows when it has all of them.
 
     python scripts/vllm_device_pack.py 0.34.0 --out .vllm-pack --part-mb 46 [--engine] [--deepgemm]
+        [--flashinfer]
     # -> .vllm-pack/p1 .. pN: carry one per call, then run vllm_device_unpack.py on it
 """
 
@@ -89,6 +98,12 @@ ENGINE_OPS = ("vllm_flash_attn/_vllm_fa3_C.abi3.so",)
 #: JIT needs at first use of each kernel (``deep_gemm._C.init`` is given the package folder).
 DEEPGEMM_OPS = ("third_party/deep_gemm/_C_extension.abi3.so",)
 DEEPGEMM_INCLUDE = "third_party/deep_gemm/include"
+#: FlashInfer's CUTLASS fused MoE, carried as its wheel's files in an xz tar, and the wheels that
+#: ``import flashinfer`` needs beyond ``DEPS`` (which hold apache-tvm-ffi, packaging and requests)
+#: and the image: pynvml (nvidia-ml-py, imported by ``flashinfer.utils``) and ninja, which its JIT
+#: runs from ``PATH``.
+FLASHINFER = "flashinfer-python==0.7.2.post1"
+FLASHINFER_DEPS = ("nvidia-ml-py", "ninja")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64")
@@ -101,12 +116,14 @@ def pip_download(dest: Path, *what: str) -> None:
                     *flags, "-d", str(dest), *what], check=True)
 
 
-def pieces(version: str, work: Path, engine: bool = False, deepgemm: bool = False) -> list[Path]:
+def pieces(version: str, work: Path, engine: bool = False, deepgemm: bool = False,
+           flashinfer: bool = False) -> list[Path]:
     """Every file to carry, built in ``work``; ``engine`` adds what the offline engine needs,
-    ``deepgemm`` vLLM's vendored DeepGEMM."""
+    ``deepgemm`` vLLM's vendored DeepGEMM, ``flashinfer`` FlashInfer."""
     deps = work / "deps"
     deps.mkdir()
-    pip_download(deps, *DEPS, *(ENGINE_DEPS if engine else ()))
+    pip_download(deps, *DEPS, *(ENGINE_DEPS if engine else ()),
+                 *(FLASHINFER_DEPS if flashinfer else ()))
     src = work / "src.tar.xz"
     with tarfile.open(src, "w:xz", preset=9) as tar:
         tar.add(sources(version), arcname=".",
@@ -123,15 +140,20 @@ def pieces(version: str, work: Path, engine: bool = False, deepgemm: bool = Fals
                 shutil.copyfileobj(raw, xz, 1 << 24)
             out.append(packed)
         if deepgemm:
-            out.append(headers(zf, work / "deep_gemm_include.tar.xz"))
+            out.append(retar(zf, work / "deep_gemm_include.tar.xz", f"vllm/{DEEPGEMM_INCLUDE}/"))
     shutil.rmtree(wheel_dir)
+    if flashinfer:
+        pip_download(wheel_dir, FLASHINFER)
+        (wheel,) = wheel_dir.glob("flashinfer_python-*.whl")
+        with zipfile.ZipFile(wheel) as zf:
+            out.append(retar(zf, work / "flashinfer.tar.xz"))
+        shutil.rmtree(wheel_dir)
     return out
 
 
-def headers(zf: zipfile.ZipFile, dest: Path) -> Path:
-    """``DEEPGEMM_INCLUDE`` from the wheel as an xz tar whose paths start at ``vllm/`` (the
-    unpacker extracts it into the site)."""
-    prefix = f"vllm/{DEEPGEMM_INCLUDE}/"
+def retar(zf: zipfile.ZipFile, dest: Path, prefix: str = "") -> Path:
+    """The wheel's files under ``prefix`` as an xz tar of their paths in the wheel, which are
+    their paths in the site (the unpacker extracts it there)."""
     with tarfile.open(dest, "w:xz", preset=9) as tar:
         for info in zf.infolist():
             if info.filename.startswith(prefix) and not info.is_dir():
@@ -165,11 +187,15 @@ def main() -> None:
                         help="also what vllm.LLM needs on CUDA (ENGINE_DEPS, ENGINE_OPS)")
     parser.add_argument("--deepgemm", action="store_true",
                         help="also vLLM's vendored DeepGEMM (DEEPGEMM_OPS, DEEPGEMM_INCLUDE)")
+    parser.add_argument("--flashinfer", action="store_true",
+                        help="also FlashInfer's CUTLASS fused MoE (FLASHINFER, "
+                        "FLASHINFER_DEPS)")
     args = parser.parse_args()
     limit = int(args.part_mb * 1e6)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        files = [c for p in pieces(args.version, work, args.engine, args.deepgemm)
+        files = [c for p in pieces(args.version, work, args.engine, args.deepgemm,
+                                   args.flashinfer)
                  for c in split(p, limit)]
         parts: list[list[Path]] = []
         for f in sorted(files, key=lambda p: -p.stat().st_size):  # first fit, largest first
@@ -180,7 +206,8 @@ def main() -> None:
                 parts.append(home := [])
             home.append(f)
         manifest = {"version": args.version, "engine": args.engine,
-                    "deepgemm": args.deepgemm, "parts": len(parts),
+                    "deepgemm": args.deepgemm, "flashinfer": args.flashinfer,
+                    "parts": len(parts),
                     "pieces": {str(f.relative_to(work)): sha256(f) for f in files}}
         shutil.rmtree(args.out, ignore_errors=True)
         total = 0
@@ -195,7 +222,8 @@ def main() -> None:
             print(f"{folder}: {size / 1e6:.1f} MB")
         print(f"{len(parts)} parts, {total / 1e6:.1f} MB in all ({len(files)} pieces"
               f"{', with the engine' if args.engine else ''}"
-              f"{', with DeepGEMM' if args.deepgemm else ''})")
+              f"{', with DeepGEMM' if args.deepgemm else ''}"
+              f"{', with FlashInfer' if args.flashinfer else ''})")
 
 
 if __name__ == "__main__":

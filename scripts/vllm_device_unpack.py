@@ -3,7 +3,9 @@
 Each call moves the part it was given into ``--stage`` (kept while the machine is); once every
 piece named in the manifest is there with its SHA-256, it installs the dependency wheels and
 the sources into ``--site``, rebuilds the compiled ops beside them (``vllm/<path>`` for a piece
-``<path>.xz``), and prints ``ready``. Then ``PYTHONPATH=<site>`` imports that vLLM. A site
+``<path>.xz``), extracts the other trees there (DeepGEMM's headers, FlashInfer), and prints
+``ready``. Then ``PYTHONPATH=<site>`` imports that vLLM (and FlashInfer, whose JIT runs ninja:
+``<site>/bin`` goes on ``PATH`` where the machine has none). A site
 assembled from another pack (the MoE path only, then ``--engine``) is assembled again. Uses only
 the standard library and pip.
 
@@ -37,7 +39,8 @@ def assemble(stage: Path, site: Path, manifest: dict) -> None:
                     "--no-compile", "--upgrade", "--target", str(site), *wheels], check=True)
     with tarfile.open(stage / "src.tar.xz") as tar:
         tar.extractall(site, filter="tar")
-    # Other trees (DeepGEMM's headers), their paths from the site, in chunks where they were split.
+    # Other trees (DeepGEMM's headers, FlashInfer), their paths from the site, in chunks where
+    # they were split.
     for tree in sorted({p.split(".tar.xz")[0] for p in manifest["pieces"] if ".tar.xz" in p}
                        - {"src"}):
         chunks = [stage / p for p in sorted(manifest["pieces"]) if p.split(".tar.xz")[0] == tree]
@@ -102,6 +105,8 @@ def main() -> None:
     what = "with its offline engine" if manifest.get("engine") else "(MoE path)"
     if manifest.get("deepgemm"):
         what += " and DeepGEMM"
+    if manifest.get("flashinfer"):
+        what += f" and FlashInfer (PATH={args.site / 'bin'}:$PATH for its JIT's ninja)"
     print(f"ready: vLLM {manifest['version']} {what} in {args.site}")
 
 

@@ -1,13 +1,16 @@
 """The vLLM pack and unpack scripts round trip: pieces in parts, split where one exceeds a part,
-assembled into a site (compiled libraries in their folders), assembled again for another pack.
+assembled into a site (compiled libraries and other trees in their folders), assembled again for
+another pack.
 
-No download: the pieces are small stand-ins, and pip's install of the wheels is skipped."""
+No download: the pieces are small stand-ins (made by the real ``pieces`` from stand-in downloads
+for ``--flashinfer``), and pip's install of the wheels is skipped."""
 
 from __future__ import annotations
 
 import io
 import lzma
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -44,8 +47,8 @@ def _pack(tmp: Path, out: Path, engine: bool, monkeypatch: pytest.MonkeyPatch,
     libraries = _libraries(engine, deepgemm)
     header = os.urandom(2500)
 
-    def pieces(version: str, work: Path, engine: bool = False,
-               deepgemm: bool = False) -> list[Path]:
+    def pieces(version: str, work: Path, engine: bool = False, deepgemm: bool = False,
+               flashinfer: bool = False) -> list[Path]:
         (work / "deps").mkdir()
         (work / "deps" / "a-1-py3-none-any.whl").write_bytes(b"wheel")
         _sources(work / "src.tar.xz")
@@ -55,13 +58,14 @@ def _pack(tmp: Path, out: Path, engine: bool, monkeypatch: pytest.MonkeyPatch,
             packed.parent.mkdir(parents=True, exist_ok=True)
             packed.write_bytes(lzma.compress(data))
             made.append(packed)
-        if deepgemm:  # the real headers() on a stand-in wheel holding one header
+        if deepgemm:  # the real retar() on a stand-in wheel holding one header
             wheel = work / "w.zip"
             with zipfile.ZipFile(wheel, "w") as zf:
                 zf.writestr(HEADER, header)
                 zf.writestr("vllm/other.py", "")
             with zipfile.ZipFile(wheel) as zf:
-                made.append(pack.headers(zf, work / "deep_gemm_include.tar.xz"))
+                made.append(pack.retar(zf, work / "deep_gemm_include.tar.xz",
+                                       f"vllm/{pack.DEEPGEMM_INCLUDE}/"))
             wheel.unlink()
         return made
 
@@ -139,3 +143,52 @@ def test_deepgemm_library_and_headers_land_in_the_vendored_package(
     assert sorted(p.relative_to(deep_gemm / "include").as_posix()
                   for p in (deep_gemm / "include").rglob("*") if p.is_file()) == [
         "deep_gemm/impls/sm90_fp8_gemm_1d2d.cuh"]
+
+
+
+def test_flashinfer_is_extracted_into_the_site_beside_its_two_wheels(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        no_pip: list) -> None:
+    """``--flashinfer`` through the real ``pieces``, with pip's downloads and vLLM's sources
+    stood in: FlashInfer's wheel travels as an xz tar of its files (split here, as it exceeds a
+    part) and lands in the site as pip would install it; ``FLASHINFER_DEPS`` go to pip."""
+    asked: list[str] = []
+    source = os.urandom(5000)  # incompressible: 2.5 parts
+    package = {"flashinfer/__init__.py": b"", "flashinfer/data/csrc/moe.cu": source,
+               "flashinfer_python-0.7.2.post1.dist-info/METADATA": b"Name: flashinfer-python\n"}
+
+    def pip_download(dest: Path, *what: str) -> None:
+        dest.mkdir(parents=True, exist_ok=True)
+        for requirement in what:
+            asked.append(requirement)
+            name = re.split(r"[=<>~\[]", requirement)[0].replace("-", "_")
+            if name in ("vllm", "flashinfer_python"):
+                files = package if name != "vllm" else {
+                    f"vllm/{op}": os.urandom(1000) for op in pack.OPS}
+                with zipfile.ZipFile(dest / f"{name}-1-py3-none-any.whl", "w") as zf:
+                    for path, data in files.items():
+                        zf.writestr(path, data)
+            else:
+                (dest / f"{name}-1-py3-none-any.whl").write_bytes(b"wheel")
+
+    src = tmp_path / "sources"
+    (src / "vllm").mkdir(parents=True)
+    (src / "vllm" / "__init__.py").write_text("")
+    monkeypatch.setattr(pack, "pip_download", pip_download)
+    monkeypatch.setattr(pack, "sources", lambda version: src)
+    monkeypatch.setattr(sys, "argv", ["pack", "0.34.0", "--out", str(tmp_path / "pack"),
+                                      "--part-mb", "0.002", "--flashinfer"])
+    pack.main()
+    assert "with FlashInfer" in capsys.readouterr().out
+    assert pack.FLASHINFER in asked and set(pack.FLASHINFER_DEPS) <= set(asked)
+    parts = sorted((tmp_path / "pack").iterdir())
+    pieces = {p.name for part in parts for p in part.rglob("*") if p.is_file()}
+    assert "flashinfer.tar.xz.001" in pieces and not any("flashinfer_python" in p for p in pieces)
+    for part in parts:
+        done = _unpack(part, tmp_path, monkeypatch, capsys)
+    assert "ready: vLLM 0.34.0 (MoE path) and FlashInfer" in done
+    for path, data in package.items():
+        assert (tmp_path / "site" / path).read_bytes() == data
+    (install,) = no_pip
+    wheels = {Path(a).name.split("-")[0] for a in install if a.endswith(".whl")}
+    assert {"nvidia_ml_py", "ninja"} <= wheels and "flashinfer_python" not in wheels
