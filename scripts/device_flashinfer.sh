@@ -1,0 +1,91 @@
+#!/usr/bin/env bash
+# On the GPU machine, once scripts/vllm_device_unpack.py has printed "ready: vLLM 0.34.0 (MoE path)
+# and FlashInfer ..." (pack here: python scripts/vllm_device_pack.py 0.34.0 --flashinfer --out
+# .vllm-pack, then one part per call there): FlashInfer's import, the JIT build of its CUTLASS fused
+# MoE and its first and second calls (probe), the CUDA tests of flashinfer_cutlass (tests), and its
+# time against vLLM's Triton pick and the shipped table's winner at DeepSeek-V3 TP8's block-fp8
+# buckets (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
+# starts it in the background with nohup and each call polls it until BUDGET_S is spent; the steps
+# after it wait for a call in which it has ended (they would build it themselves otherwise), and a
+# step that no longer fits in the call's 10 minutes waits for the next one. State
+# lives in $STATE, the JIT's objects and module in ~/.cache/flashinfer (ninja keeps what it built
+# if the build is started again), both kept while the machine is; a call skips finished steps, the
+# benchmark resumes from its JSON, and every call copies what there is into $OUT.
+#   OUT=... COMMIT=<sha> bash scripts/device_flashinfer.sh [probe] [tests] [bench]   (default: all)
+set -u
+SITE=${SITE:-/tmp/vllm-site}
+STATE=${STATE:-/tmp/moetune-flashinfer}
+BUDGET_S=${BUDGET_S:-540}
+BUCKETS=${BUCKETS:-1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096}
+mkdir -p "$STATE"
+export PYTHONPATH=$SITE:$HOME/site:${PYTHONPATH:-}
+export PATH=$PATH:$SITE/bin  # FlashInfer's JIT runs ninja; the carried one where the image has none
+start=$(date +%s)
+python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
+
+save() {
+  cp -r "$STATE"/. "$OUT"/ 2> /dev/null
+  find "$OUT" -name '*.done' -delete
+}
+
+# The background build: 0 once build.json is there, 1 while it runs, 2 if it failed.
+poll_build() {
+  [ -e "$STATE/build.json" ] && return 0
+  local pid
+  pid=$(cat "$STATE/build.pid" 2> /dev/null)
+  if [ -n "$pid" ] && kill -0 "$pid" 2> /dev/null; then
+    echo "the build is running (since $(cat "$STATE/build.started")): polling it"
+  else
+    date -u +%H:%M:%S > "$STATE/build.started"
+    nohup bash -c 'python3 scripts/probe_flashinfer.py --build > "$0/build.part" \
+      2>> "$0/build.err" && mv "$0/build.part" "$0/build.json"' "$STATE" > /dev/null 2>&1 &
+    pid=$!
+    echo "$pid" > "$STATE/build.pid"
+    echo "the build started in the background"
+  fi
+  while kill -0 "$pid" 2> /dev/null && (( $(date +%s) < start + BUDGET_S )); do sleep 10; done
+  [ -e "$STATE/build.json" ] && return 0
+  if kill -0 "$pid" 2> /dev/null; then
+    echo "still building ($(find "$HOME"/.cache/flashinfer -path '*cached_ops/fused_moe_*' \
+      -name '*.o' 2> /dev/null | wc -l) of 248 objects): call again"
+    return 1
+  fi
+  echo "the build failed:"; tail -20 "$STATE/build.err"
+  return 2
+}
+
+# Whether a step of up to $1 seconds still fits in this call (10 minutes, the copy into $OUT last).
+room() { (( $(date +%s) - start + $1 <= 590 )); }
+
+steps=${*:-probe tests bench}
+for step in $steps; do
+  [ -e "$STATE/$step.done" ] && { echo "$step: done before"; continue; }
+  case $step in
+    probe)
+      poll_build; built=$?
+      (( built == 2 )) && { save; exit 1; }
+      (( built == 1 )) && break
+      cat "$STATE/build.json"
+      room 300 || { echo "probe: the calls in the next call"; break; }
+      timeout 300 python3 scripts/probe_flashinfer.py > "$STATE/probe.json" 2> "$STATE/probe.err" &&
+        touch "$STATE/probe.done"
+      cat "$STATE/probe.json"; tail -5 "$STATE/probe.err" ;;
+    tests)
+      [ -e "$STATE/build.json" ] || { echo "tests: run probe first (the build)"; break; }
+      room 500 || { echo "tests: in the next call"; break; }
+      timeout 500 python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$STATE/tests.xml" \
+        tests/test_flashinfer_cutlass.py tests/test_kernel_contract.py tests/test_kernels_cuda.py \
+        -k flashinfer > "$STATE/tests.txt" 2>&1 && touch "$STATE/tests.done"
+      tail -15 "$STATE/tests.txt" ;;
+    bench)
+      [ -e "$STATE/build.json" ] || { echo "bench: run probe first (the build)"; break; }
+      room 540 || { echo "bench: in the next call"; break; }
+      timeout 540 python3 scripts/bench_vllm_baseline.py --presets deepseek-v3 --buckets "$BUCKETS" \
+        --also flashinfer_cutlass --rounds 3 --budget-s 420 --commit "${COMMIT:-unknown}" \
+        --json "$STATE/bench.jsonl" > "$STATE/bench.md" 2> "$STATE/bench.err"
+      grep -q "not measured: budget spent" "$STATE/bench.md" || touch "$STATE/bench.done"
+      tail -30 "$STATE/bench.md"; tail -3 "$STATE/bench.err" ;;
+    *) echo "unknown step $step (probe, tests, bench)"; exit 2 ;;
+  esac
+done
+save
