@@ -13,7 +13,7 @@ STATE=${STATE:-/tmp/moetune-e2e}
 BUDGET_S=${BUDGET_S:-540}
 mkdir -p "$STATE"
 export PYTHONPATH=/tmp/vllm-site:$HOME/site:${PYTHONPATH:-} VLLM_USE_DEEP_GEMM=0
-# vLLM's sampler probes FlashInfer, which is not carried; greedy sampling runs in torch anyway.
+# vLLM's sampler probes FlashInfer (carried only with --flashinfer); greedy sampling runs in torch.
 export VLLM_USE_FLASHINFER_SAMPLER=0
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
 deadline=$(( $(date +%s) + BUDGET_S ))

@@ -1,6 +1,6 @@
 """``flashinfer_cutlass``: FlashInfer's CUTLASS fused MoE, declared and called as vLLM calls it.
 
-FlashInfer is not installed here (nor on the GPU machine: docs/vllm.md says why), so the kernel
+FlashInfer is not installed here (the GPU machine gets it with ``--flashinfer``), so the kernel
 is ineligible with the reason, and its call runs against a stand-in ``flashinfer.fused_moe``
 whose ``cutlass_fused_moe`` has the real function's parameters (``SIGNATURE``, read from the
 0.7.2.post1 wheel's ``flashinfer/fused_moe/core.py``; checked against a real FlashInfer where

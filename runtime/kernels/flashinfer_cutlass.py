@@ -15,8 +15,9 @@ vLLM gave ``TritonExperts`` holds plain weights, so the dispatcher does not serv
 there. vLLM's oracle picks ``FlashInferExperts`` for block fp8 on Hopper under expert
 parallelism (ranked first there), and for unquantized layers only where FlashInfer is asked for.
 
-Not installed here, nor on the GPU machine: ``flashinfer-python`` 0.7.2.post1 with its
-dependencies is 323 MB as wheels (1.18 GB installed), docs/vllm.md says what carrying it costs.
+Not installed here; ``scripts/vllm_device_pack.py --flashinfer`` carries ``flashinfer-python``
+0.7.2.post1 to the GPU machine with the two small wheels its import needs beyond vLLM's (16 MB;
+docs/vllm.md).
 """
 
 from __future__ import annotations
