@@ -51,6 +51,16 @@ def compare(a: list[dict], b: list[dict]) -> dict:
             "max_dlogprob": dlp}
 
 
+def own_mode_cell(runs: list[dict], i: int) -> str:
+    """Run ``i``'s greedy check against the first run of its own mode: a process of a
+    deterministic mode matches it exactly; atomics in a kernel show here as differences."""
+    first = next(j for j, r in enumerate(runs) if r["mode"] == runs[i]["mode"])
+    if first == i:
+        return "-"
+    c = compare(runs[first]["check"], runs[i]["check"])
+    return f"{c['same']}/{c['of']} ({c['max_dlogprob']:.3g})"
+
+
 def margin_note(check: list[dict]) -> str:
     """The margins of a greedy check's positions: how near ties its tokens are."""
     margins = sorted(m for x in check for m in x.get("margins", []))
@@ -132,7 +142,8 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
     checks = "\n".join(
         f"| {i + 1} | {r['mode']} | {c['same']}/{c['of']} | "
         f"{', '.join(map(str, c['diverge_at'])) or '-'} | "
-        f"{', '.join(f'{m:.3g}' for m in c['margins_at']) or '-'} | {c['max_dlogprob']:.3g} |"
+        f"{', '.join(f'{m:.3g}' for m in c['margins_at']) or '-'} | {c['max_dlogprob']:.3g} | "
+        f"{own_mode_cell(runs, i)} |"
         for i, r in enumerate(runs) for c in [compare(reference, r["check"])])
     stats = [r["stats"] for r in by_mode["lookup"]]
     counters = "\n".join(f"| {i + 1} | {label} | {c.get('hit', 0)} | {c.get('miss', 0)} | "
@@ -178,8 +189,8 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
 
 ## Greedy tokens against the first off process ({CHECK_REQUESTS} prompts of {CHECK_PROMPT} tokens, {CHECK_OUTPUT} output tokens)
 
-| process | mode | requests with the same tokens | first differing positions | off's margin there | largest log-prob difference before them |
-| --- | --- | --- | --- | --- | --- |
+| process | mode | requests with the same tokens | first differing positions | off's margin there | largest log-prob difference before them | against the first process of its mode: same tokens (largest log-prob difference) |
+| --- | --- | --- | --- | --- | --- | --- |
 {checks}
 
 {margin_note(reference)}
