@@ -5,9 +5,10 @@
 #   decode  scripts/bench_decode.py at 1-8 tokens: moetune_decode_one against moetune_decode and
 #           vLLM's pick, CUDA-graph timing
 #   tune    the worst buckets of the shipped table for this GPU searched again with every family
-#           into a fresh table (resumable: --skip-tuned), merged with a copy of the shipped table
-#           (per bucket the faster winner, both confirmed against vLLM's pick here), and the
-#           roofline of the shipped table and of the merge
+#           in a copy of that table (the search knows its trials and climbs from its winner, so
+#           a bucket keeps a winner at least as fast unless a new family beats it; every winner
+#           confirmed against vLLM's pick here), resumable bucket by bucket; the roofline of the
+#           shipped table and of the copy
 # State lives in $STATE on the machine: a call after the 10-minute limit skips finished steps and
 # `tune` goes on with the buckets it has not finished. Every call packs what there is into
 # $OUT/families.tgz (what comes back from the machine is a few files).
@@ -46,21 +47,27 @@ for step in $steps; do
         > "$STATE/decode.md" 2> "$STATE/decode.err" && touch "$STATE/decode.done"
       tail -20 "$STATE/decode.md" ;;
     tune)
-      fresh="$STATE/families.db"
+      tuned="$STATE/tuned.db"
+      [ -e "$tuned" ] || cp "$shipped" "$tuned"
       for item in $WORST; do
+        preset=${item%%:*}
+        todo=$(for m in $(echo "${item#*:}" | tr , " "); do [ -e "$STATE/tuned-$preset-$m" ] || echo "$m"; done | paste -sd,)
+        [ -z "$todo" ] && continue
         left=$(( deadline - $(date +%s) ))
-        (( left < 60 )) && { echo "budget spent before $item"; break; }
-        echo "== ${item%%:*} at ${item#*:} tokens, ${left}s left"
+        (( left < 60 )) && { echo "budget spent before $preset at $todo"; break; }
+        echo "== $preset at $todo tokens, ${left}s left"
         timeout --signal=TERM --kill-after=15 "$left" moetune tune --device "$DEVICE" \
-          --preset "${item%%:*}" --buckets "${item#*:}" --output "$fresh" --skip-tuned \
-          >> "$STATE/tune.log" 2>&1
-        echo "   exit $?"; grep -E "^M=" "$STATE/tune.log" | sed 's/{.*}//' | cut -c1-150 | tail -4
+          --preset "$preset" --buckets "$todo" --output "$tuned" > "$STATE/tune.part" 2>&1
+        echo "   exit $?"; cat "$STATE/tune.part" >> "$STATE/tune.log"
+        for m in $(grep -oE "^M=[0-9]+" "$STATE/tune.part" | cut -c3-); do
+          touch "$STATE/tuned-$preset-$m"
+        done
+        grep -E "^M=" "$STATE/tune.part" | sed 's/{.*}//' | cut -c1-150
       done
       if (( $(date +%s) < deadline - 30 )); then
-        moetune merge "$shipped" "$fresh" --output "$STATE/merged.db" > "$STATE/merge.txt" 2>&1
         python3 scripts/bench_roofline.py "$shipped" > "$STATE/roofline-before.md" 2>&1
-        python3 scripts/bench_roofline.py "$STATE/merged.db" > "$STATE/roofline-after.md" 2>&1
-        moetune show "$fresh" --device "$DEVICE" > "$STATE/families-show.txt" 2>&1
+        python3 scripts/bench_roofline.py "$tuned" > "$STATE/roofline-after.md" 2>&1
+        moetune show "$tuned" --device "$DEVICE" > "$STATE/tuned-show.txt" 2>&1
         tail -8 "$STATE/roofline-after.md" && touch "$STATE/tune.done"
       fi ;;
     *) echo "unknown step $step (tests, decode, tune)"; exit 2 ;;
