@@ -3,8 +3,8 @@
 # and FlashInfer ..." (pack here: python scripts/vllm_device_pack.py 0.34.0 --flashinfer --out
 # .vllm-pack, then one part per call there): FlashInfer's import, the JIT build of its CUTLASS fused
 # MoE and its first and second calls (probe), the CUDA tests of flashinfer_cutlass (tests), and its
-# time against vLLM's Triton pick and the shipped table's winner at DeepSeek-V3 TP8's block-fp8
-# buckets (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
+# time against vLLM's Triton pick and the shipped table's winner (PRESETS, BUCKETS) from decode to
+# prefill (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
 # starts it in the background with nohup and each call polls it until BUDGET_S is spent; the steps
 # after it wait for a call in which it has ended (they would build it themselves otherwise), and a
 # step that no longer fits in the call's 10 minutes waits for the next one. State
@@ -16,7 +16,10 @@ set -u
 SITE=${SITE:-/tmp/vllm-site}
 STATE=${STATE:-/tmp/moetune-flashinfer}
 BUDGET_S=${BUDGET_S:-540}
-BUCKETS=${BUCKETS:-1,2,4,8,16,24,32,48,64,96,128,256,512,1024,1536,2048,3072,4096}
+#: Block fp8 (DeepSeek-V3 TP8) and bf16 (Mixtral, Qwen3-30B: the worst buckets of the H100 table
+#: are there, memory-bound at 512-2048 tokens), at sizes from decode to the largest prefill.
+PRESETS=${PRESETS:-deepseek-v3,mixtral-8x7b,qwen3-30b-a3b}
+BUCKETS=${BUCKETS:-1,2,16,128,512,1024,2048,3072,4096}
 mkdir -p "$STATE"
 export PYTHONPATH=$SITE:$HOME/site:${PYTHONPATH:-}
 export PATH=$PATH:$SITE/bin  # FlashInfer's JIT runs ninja; the carried one where the image has none
@@ -80,7 +83,7 @@ for step in $steps; do
     bench)
       [ -e "$STATE/build.json" ] || { echo "bench: run probe first (the build)"; break; }
       room 540 || { echo "bench: in the next call"; break; }
-      timeout 540 python3 scripts/bench_vllm_baseline.py --presets deepseek-v3 --buckets "$BUCKETS" \
+      timeout 540 python3 scripts/bench_vllm_baseline.py --presets "$PRESETS" --buckets "$BUCKETS" \
         --also flashinfer_cutlass --rounds 3 --budget-s 420 --commit "${COMMIT:-unknown}" \
         --json "$STATE/bench.jsonl" > "$STATE/bench.md" 2> "$STATE/bench.err"
       grep -q "not measured: budget spent" "$STATE/bench.md" || touch "$STATE/bench.done"
