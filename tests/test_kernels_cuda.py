@@ -452,6 +452,15 @@ DECODE_SHAPES = {
 DECODE_TOKENS = (1, 4, 16)
 
 
+def _kept(kernel: type, problem: MoEProblem, variants: list[dict]) -> list[dict]:
+    """``variants`` that ``kernel``'s constraints keep at ``problem``, each once, in order."""
+    unique: list[dict] = []
+    for params in variants:
+        if kernel.check_params(problem, params) is None and params not in unique:
+            unique.append(params)
+    return unique
+
+
 def _decode_variants(problem: MoEProblem) -> list[dict]:
     """The seed config and its reduce and split-K variants that the constraints keep, each
     also with GEMM2 launched while GEMM1 runs (``PDL``)."""
@@ -460,11 +469,7 @@ def _decode_variants(problem: MoEProblem) -> list[dict]:
     variants = [seed] + [dict(seed, SPLIT_K=s, REDUCE=r) for s in (1, 2, 4)
                          for r in ("atomic", "atomic_out", "ordered")]
     variants += [dict(v, PDL=1) for v in variants]
-    unique = []
-    for params in variants:
-        if kernel.check_params(problem, params) is None and params not in unique:
-            unique.append(params)
-    return unique
+    return _kept(kernel, problem, variants)
 
 
 @cuda
@@ -534,11 +539,7 @@ def _one_variants(problem: MoEProblem) -> list[dict]:
     seed = kernel.seed_params(problem, H200)
     variants = [seed] + [dict(seed, PROGRAMS_PER_SM=p) for p in (1, 4)]
     variants += [dict(seed, num_warps=8, PROGRAMS_PER_SM=4, num_stages=3)]
-    unique = []
-    for params in variants:
-        if kernel.check_params(problem, params) is None and params not in unique:
-            unique.append(params)
-    return unique
+    return _kept(kernel, problem, variants)
 
 
 @cuda

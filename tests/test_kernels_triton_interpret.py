@@ -241,13 +241,13 @@ FP8_EMULATED = [
 ]
 
 
-@decode_interpreted
-@pytest.mark.parametrize("problem,override", FP8_EMULATED, ids=_case_id)
-def test_decode_kernel_applies_fp8_scales_interpreted(problem, override, cpu_sku):
-    kernel = default_registry.get("moetune_decode")
+def _check_fp8_scales(name: str, params: dict, problem: MoEProblem, cpu_sku) -> None:
+    """``name``, refused real fp8 weights here, matches the reference on float32 weights holding
+    fp8 values with the scheme's scales, and misses it by far with GEMM2's scales left out."""
+    kernel = default_registry.get(name)
     ok, why = kernel.supports(problem, cpu_sku)
     assert not ok and "fp8" in why  # real fp8 weights are refused here
-    params = kernel.validate({**DECODE, **override})
+    params = kernel.validate(params)
     assert kernel.check_params(problem, params) is None
     weights = make_weights(problem, "cpu", seed=1)
     weights.w13, weights.w2 = weights.w13.float(), weights.w2.float()
@@ -258,6 +258,12 @@ def test_decode_kernel_applies_fp8_scales_interpreted(problem, override, cpu_sku
     unscaled = dataclasses.replace(weights, w2_scale=torch.ones_like(weights.w2_scale))
     wrong = kernel.prepare(problem, params, unscaled)(*batch.args())
     assert relative_error(wrong, ref) > 10 * TOLERANCE["float16"]
+
+
+@decode_interpreted
+@pytest.mark.parametrize("problem,override", FP8_EMULATED, ids=_case_id)
+def test_decode_kernel_applies_fp8_scales_interpreted(problem, override, cpu_sku):
+    _check_fp8_scales("moetune_decode", {**DECODE, **override}, problem, cpu_sku)
 
 
 @decode_interpreted
@@ -445,20 +451,7 @@ ONE_FP8_EMULATED = [
 @pytest.mark.parametrize("problem,override", ONE_FP8_EMULATED, ids=_case_id)
 def test_one_launch_kernel_applies_fp8_scales_interpreted(problem, override, cpu_sku):
     """float32 weights holding fp8 values, with the scheme's scales (see the decode test)."""
-    kernel = default_registry.get("moetune_decode_one")
-    ok, why = kernel.supports(problem, cpu_sku)
-    assert not ok and "fp8" in why
-    params = kernel.validate({**ONE, **override})
-    assert kernel.check_params(problem, params) is None
-    weights = make_weights(problem, "cpu", seed=1)
-    weights.w13, weights.w2 = weights.w13.float(), weights.w2.float()
-    batch = make_batch(problem, "cpu", seed=2)
-    ref = default_registry.get("reference").prepare(problem, {}, weights)(*batch.args())
-    out = kernel.prepare(problem, params, weights)(*batch.args())
-    assert relative_error(out, ref) <= TOLERANCE["float32"]
-    unscaled = dataclasses.replace(weights, w2_scale=torch.ones_like(weights.w2_scale))
-    wrong = kernel.prepare(problem, params, unscaled)(*batch.args())
-    assert relative_error(wrong, ref) > 10 * TOLERANCE["float16"]
+    _check_fp8_scales("moetune_decode_one", {**ONE, **override}, problem, cpu_sku)
 
 
 @one_interpreted
