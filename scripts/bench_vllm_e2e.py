@@ -290,7 +290,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default bench/results/vllm-e2e-PRESET-DATE.md")
     parser.add_argument("--json", type=Path, help="every process's raw results (JSON lines)")
     parser.add_argument("--resume", action="store_true", help="add to the runs already in "
-                        "--json (same arguments): rounds split over several calls")
+                        "--json (same arguments, --control-configs aside): rounds split over "
+                        "several calls")
     args = parser.parse_args()
     if args.resume and not args.json:
         parser.error("--resume needs --json")
@@ -309,8 +310,8 @@ def main() -> None:
     runs = []
     if args.resume and args.json.exists():
         runs = [json.loads(line) for line in args.json.read_text().splitlines() if line]
-    per_round = 3 if args.control_configs else 2
-    done = len(runs) // per_round
+    # One off process per round: a later round may leave the control process out.
+    done = sum(r["mode"] == "off" for r in runs)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         config = write_model(args.preset, work / "model", args.layers, args.dtype)
@@ -343,7 +344,7 @@ def main() -> None:
                                           if "moetune" in line][:PLUGIN_LINES]
                 if args.json:
                     args.json.write_text("".join(json.dumps(r) + "\n" for r in runs))
-    args.rounds = len(runs) // per_round
+    args.rounds = sum(r["mode"] == "off" for r in runs)
     text = report(args, config, runs, today)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)
