@@ -157,6 +157,8 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
            f"vocabulary {config['vocab_size']}")
     command = " ".join(["python", "scripts/bench_vllm_e2e.py", *sys.argv[1:]])
     startup = ", ".join(f"{r['startup_s']:.0f}" for r in runs)
+    modes = dict.fromkeys(r["mode"] for r in runs)
+    per_mode = ", ".join(f"{sum(r['mode'] == m for r in runs)} {m}" for m in modes)
     nl = "\n"
     weights = "" if args.vllm_dummy_weights else ", scaled to variance 1/fan-in, norms about 1"
     execution = ("`enforce_eager`" if args.eager
@@ -171,7 +173,7 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
 - model: {args.preset} ({config['architectures'][0]}), {moe}, {args.dtype}, random weights
   (`load_format="dummy"`{weights}), {execution}, prefix caching off, attention
   {args.attention or "vLLM's default"}, max model length {args.max_model_len}
-- processes: {args.rounds} per mode, one of each per round in shuffled order
+- processes: {per_mode}, one of each mode per round in shuffled order
   ({', '.join(r['mode'] for r in runs)}); engine startup {startup} s
 - table (lookup): {json.dumps(table) if table else "none read (no MoE call reached the plugin)"}
 
