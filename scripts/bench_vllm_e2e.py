@@ -29,7 +29,8 @@ case (8 output tokens):
 * a greedy check: 8 prompts of 64 tokens, 32 output tokens with their log-probabilities and
   each position's margin (top-1 less top-2 log-probability), compared across all processes (off with off shows the engine's own run-to-run differences; with
   ``--control-configs DIR`` a third process per round runs vLLM's own kernel at the tuned
-  configs in DIR, so the check shows what rounding alone does to this model's tokens);
+  configs in DIR and times nothing, so the check shows what rounding alone does to this model's
+  tokens);
 * with ``--profile`` (CUDA), the GPU time of every kernel in two windows under torch's profiler
   (a decode window: the largest batch of 128-token prompts generating 64 tokens; a prefill
   window: that many 1000-token prompts generating 1): vLLM's experts kernels by name give the
@@ -178,8 +179,11 @@ def child(spec_path: str, out: str) -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0, outputs
 
+    mode = os.environ.get("MOETUNE_E2E_LABEL") or os.environ.get("MOETUNE_MODE")
+    # A control process is there for its greedy tokens alone: it times nothing.
+    timed = mode != "control"
     cases = [(p, o, n, token_prompts(n, p, vocab, seed=i)) for i, (p, o, n) in
-             enumerate(spec["cases"])]
+             enumerate(spec["cases"])] if timed else []
     for p, o, n, prompts in cases:
         run(prompts, min(o, WARMUP_OUTPUT))
     throughput = []
@@ -194,7 +198,7 @@ def child(spec_path: str, out: str) -> None:
         throughput.append({"prompt": p, "output": o, "requests": n, "runs": runs})
     lat_prompt, lat_output = spec["latency_lengths"]
     latency = []
-    for batch in spec["latency"]:
+    for batch in spec["latency"] if timed else []:
         prompts = token_prompts(batch, lat_prompt, vocab, seed=1000 + batch)
         run(prompts, min(lat_output, WARMUP_OUTPUT))
         first = statistics.median(run(prompts, 1)[0] for _ in range(spec["repeats"]))
@@ -210,7 +214,7 @@ def child(spec_path: str, out: str) -> None:
               "margins": [margin(lp) for lp in x.outputs[0].logprobs]}
              for x in outputs]
     profiles = {}
-    if spec["profile"]:
+    if spec["profile"] and timed:
         batch = max(n for _, _, n in spec["cases"])
         for window, (p, o) in PROFILE_WINDOWS.items():
             prompts = token_prompts(batch, p, vocab, seed=2000 + p)
@@ -218,7 +222,7 @@ def child(spec_path: str, out: str) -> None:
             profiles[window] = kernel_times(lambda: run(prompts, o))
     device = (torch.cuda.get_device_name() if spec["device"] == "cuda" else "cpu")
     Path(out).write_text(json.dumps({
-        "mode": os.environ.get("MOETUNE_E2E_LABEL") or os.environ.get("MOETUNE_MODE"),
+        "mode": mode,
         "startup_s": startup_s, "device": device,
         "vllm": vllm.__version__, "torch": torch.__version__, "throughput": throughput,
         "latency": latency, "check": check, "profile": profiles, "stats": serving.stats()}))
