@@ -181,7 +181,7 @@ def child(spec_path: str, out: str) -> None:
 
     mode = os.environ.get("MOETUNE_E2E_LABEL") or os.environ.get("MOETUNE_MODE")
     # A control process is there for its greedy tokens alone: it times nothing.
-    timed = mode != "control"
+    timed = mode != "control" and not spec["check_only"]
     cases = [(p, o, n, token_prompts(n, p, vocab, seed=i)) for i, (p, o, n) in
              enumerate(spec["cases"])] if timed else []
     for p, o, n, prompts in cases:
@@ -283,6 +283,8 @@ def main() -> None:
                         "MOETUNE_MODE=off with VLLM_TUNED_CONFIG_FOLDER=DIR, vLLM's own kernel "
                         "at other tuned configs, whose greedy tokens show how far rounding "
                         "alone moves this model's (the check table)")
+    parser.add_argument("--check-only", action="store_true", help="every process takes only "
+                        "the greedy check (the token question in a few minutes)")
     parser.add_argument("--eager", action="store_true", default=None,
                         help="enforce_eager instead of vLLM's default torch.compile and CUDA "
                         "graphs (default on the CPU)")
@@ -322,7 +324,7 @@ def main() -> None:
         spec = {"model": str(work / "model"), "device": args.device, "dtype": args.dtype,
                 "cases": cases, "latency": latency,
                 "eager": args.eager, "scaled_weights": not args.vllm_dummy_weights,
-                "profile": args.profile,
+                "profile": args.profile, "check_only": args.check_only,
                 "max_num_seqs": max([n for _, _, n in cases] + latency + [CHECK_REQUESTS]),
                 "latency_lengths": [lat_prompt, lat_output], "repeats": args.repeats,
                 "attention": args.attention, "max_model_len": args.max_model_len,
