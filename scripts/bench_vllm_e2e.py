@@ -285,6 +285,9 @@ def main() -> None:
                         "alone moves this model's (the check table)")
     parser.add_argument("--check-only", action="store_true", help="every process takes only "
                         "the greedy check (the token question in a few minutes)")
+    parser.add_argument("--no-lookup", action="store_true", help="no lookup process: an off "
+                        "(and a control) process per round, to set vLLM's own run-to-run and "
+                        "config-to-config differences beside an earlier lookup run")
     parser.add_argument("--eager", action="store_true", default=None,
                         help="enforce_eager instead of vLLM's default torch.compile and CUDA "
                         "graphs (default on the CPU)")
@@ -301,6 +304,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.resume and not args.json:
         parser.error("--resume needs --json")
+    if args.no_lookup and not args.check_only:
+        parser.error("--no-lookup has nothing to time against: add --check-only")
     args.dtype = args.dtype or PRESETS[args.preset][1]
     args.attention = args.attention or ("TRITON_ATTN" if args.device == "cuda" else None)
     args.eager = args.device == "cpu" if args.eager is None else args.eager
@@ -334,7 +339,7 @@ def main() -> None:
         offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
         lookup = {"MOETUNE_TABLE": str(args.table.resolve())} if args.table else {}
         for i in range(done, done + args.rounds):
-            modes = [("off", {}), ("lookup", lookup)]
+            modes = [("off", {})] + [("lookup", lookup)] * (not args.no_lookup)
             if args.control_configs:
                 modes.append(("control", {"VLLM_TUNED_CONFIG_FOLDER":
                                           str(args.control_configs.resolve())}))

@@ -208,7 +208,7 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
 ## The plugin's log (first lines of the first process of each mode)
 
 ```
-{nl.join(line for m in ("off", "lookup") for line in by_mode[m][0].get("plugin_log", []))}
+{nl.join(line for m in ("off", "lookup") for r in by_mode[m][:1] for line in r.get("plugin_log", []))}
 ```
 
 ## The plugin's counters (lookup processes, whole run)
