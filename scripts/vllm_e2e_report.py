@@ -134,6 +134,25 @@ def profile_rows(by_mode: dict[str, list[dict]]) -> list[str]:
     return rows
 
 
+def timings(args: argparse.Namespace, by_mode: dict[str, list[dict]]) -> str:
+    """The throughput and decode-latency sections, or why there are none."""
+    if not (by_mode["lookup"] and by_mode["off"][0]["throughput"]):
+        return "## Throughput and decode latency\n\nNot timed: `--check-only`.\n"
+    nl = "\n"
+    return f"""## Throughput (median over {args.repeats} runs x {args.rounds} processes; min-max)
+
+| prompt/output x requests | MOETUNE_MODE | requests/s | output tokens/s | total tokens/s | lookup / off (output tokens/s) |
+| --- | --- | --- | --- | --- | --- |
+{nl.join(throughput_rows(by_mode))}
+
+## Decode latency (time per output token, ms; prefill = generate with 1 output token, ms)
+
+| batch | prompt/output | TPOT off | TPOT lookup | off / lookup | prefill off | prefill lookup |
+| --- | --- | --- | --- | --- | --- | --- |
+{nl.join(latency_rows(by_mode))}
+"""
+
+
 def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str) -> str:
     """The Markdown report of all processes (``runs``, in the order they ran)."""
     by_mode = {m: [r for r in runs if r["mode"] == m] for m in ("off", "lookup")}
@@ -177,18 +196,7 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
   ({', '.join(r['mode'] for r in runs)}); engine startup {startup} s
 - table (lookup): {json.dumps(table) if table else "none read (no MoE call reached the plugin)"}
 
-## Throughput (median over {args.repeats} runs x {args.rounds} processes; min-max)
-
-| prompt/output x requests | MOETUNE_MODE | requests/s | output tokens/s | total tokens/s | lookup / off (output tokens/s) |
-| --- | --- | --- | --- | --- | --- |
-{nl.join(throughput_rows(by_mode))}
-
-## Decode latency (time per output token, ms; prefill = generate with 1 output token, ms)
-
-| batch | prompt/output | TPOT off | TPOT lookup | off / lookup | prefill off | prefill lookup |
-| --- | --- | --- | --- | --- | --- | --- |
-{nl.join(latency_rows(by_mode))}
-
+{timings(args, by_mode)}
 ## Greedy tokens against the first off process ({CHECK_REQUESTS} prompts of {CHECK_PROMPT} tokens, {CHECK_OUTPUT} output tokens)
 
 | process | mode | requests with the same tokens | first differing positions | off's margin there | largest log-prob difference before them | against the first process of its mode: same tokens (largest log-prob difference) |
