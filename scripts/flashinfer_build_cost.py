@@ -1,0 +1,122 @@
+"""What FlashInfer's CUTLASS fused-MoE JIT build costs, in CPU time, on any machine with nvcc.
+
+``cutlass_fused_moe`` builds ``fused_moe_90`` at its first call on Hopper: 248 compile units (220
+generated CUTLASS GEMM instantiations, 28 of FlashInfer's and TensorRT-LLM's sources), cached in
+``~/.cache/flashinfer`` only for the machine it ran on. No GPU is needed to compile them, so this
+script writes the JIT's own build (``gen_cutlass_fused_moe_sm90_module().write_ninja()``, the
+same spec ``probe_flashinfer.py --build`` runs), groups its units by kind (a generated file's name
+less its group number, else the source's name), compiles ``--per-kind`` units of each kind with the
+JIT's own commands, ``--jobs`` at a time, and projects the build: each kind's mean time times its
+units. ``--per-kind 0`` compiles them all (the build itself, without the link).
+
+    python scripts/flashinfer_build_cost.py --cuda-home DIR [--per-kind 1] [--jobs 1] \\
+        [--json cost.json] > cost.md
+
+``DIR`` holds ``bin/nvcc`` and the CUDA headers; pip's ``nvidia-cuda-nvcc``, ``-crt``,
+``-runtime``, ``-cccl`` and ``nvidia-nvvm`` wheels (13.0) with the headers of ``nvidia-cublas``
+and ``nvidia-cuda-nvrtc`` unpacked into one ``nvidia/cu13`` are enough. FlashInfer must import
+(``PYTHONPATH``: the package and apache-tvm-ffi). Times are one machine's: compare them only with
+others taken on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+
+def units(cuda_home: Path, workspace: Path) -> list[dict]:
+    """The JIT's compile commands for ``fused_moe_90`` (``directory``, ``command``, ``file``)."""
+    os.environ.update(CUDA_HOME=str(cuda_home), FLASHINFER_CUDA_ARCH_LIST="9.0a",
+                      FLASHINFER_WORKSPACE_BASE=str(workspace))
+    os.environ["PATH"] = f"{cuda_home / 'bin'}:{os.environ['PATH']}"
+    from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
+
+    spec = gen_cutlass_fused_moe_sm90_module()
+    spec.write_ninja()
+    return [{**c, "file": c["command"].split(" -c ", 1)[1].split()[0]}
+            for c in spec.get_compile_commands()]
+
+
+def kind(source: str) -> str:
+    """A generated instantiation's kind is its name less the group number; a source is its own."""
+    return re.sub(r"_group\d+\.generated\.cu$", "", Path(source).name)
+
+
+def compile_one(unit: dict) -> dict:
+    start = time.perf_counter()
+    run = subprocess.run(unit["command"], shell=True, cwd=unit["directory"], check=False,
+                         capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"{unit['file']} did not compile:\n{run.stderr[-2000:]}")
+    return {"file": Path(unit["file"]).name, "kind": kind(unit["file"]),
+            "s": time.perf_counter() - start}
+
+
+def report(all_units: list[dict], timed: list[dict], jobs: int, cores: int) -> str:
+    """Per kind: units, compiled, seconds each; the projected CPU time of the whole build."""
+    count: dict[str, int] = defaultdict(int)
+    for u in all_units:
+        count[kind(u["file"])] += 1
+    seconds: dict[str, list[float]] = defaultdict(list)
+    for t in timed:
+        seconds[t["kind"]].append(t["s"])
+    rows, total = [], 0.0
+    for k in sorted(count, key=lambda k: -count[k] * statistics.mean(seconds[k] or [0])):
+        mean = statistics.mean(seconds[k]) if seconds[k] else float("nan")
+        total += count[k] * mean
+        times = ", ".join(f"{s:.0f}" for s in sorted(seconds[k])) or "-"
+        rows.append(f"| {k} | {count[k]} | {times} | {count[k] * mean / 60:.1f} |")
+    nl = "\n"
+    return f"""# FlashInfer's fused_moe_90 JIT build: CPU time by kind of unit
+
+- host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; Python \
+{platform.python_version()}
+- units: {len(all_units)}; compiled here: {len(timed)}, {jobs} at a time
+- command: `{" ".join(["python", *sys.argv])}`
+
+| kind | units | seconds per unit compiled here | projected CPU minutes |
+| --- | --- | --- | --- |
+{nl.join(rows)}
+
+Projected: {total / 3600:.2f} CPU-hours; at best {total / 60 / cores:.0f} minutes on {cores} cores \
+that compile as fast as these, the link not counted.
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cuda-home", type=Path, required=True)
+    parser.add_argument("--per-kind", type=int, default=1, help="units compiled per kind (0: all)")
+    parser.add_argument("--jobs", type=int, default=1)
+    parser.add_argument("--json", type=Path, help="every compiled unit's time")
+    parser.add_argument("--cores", type=int, default=16, help="the build host's cores, for the "
+                        "projection (the GPU machine's: 16)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as work:
+        all_units = units(args.cuda_home.resolve(), Path(work))
+        chosen, taken = [], defaultdict(int)
+        for u in all_units:
+            if args.per_kind == 0 or taken[kind(u["file"])] < args.per_kind:
+                taken[kind(u["file"])] += 1
+                chosen.append(u)
+        with ThreadPoolExecutor(args.jobs) as pool:
+            timed = list(pool.map(compile_one, chosen))
+    if args.json:
+        args.json.write_text(json.dumps(timed, indent=1))
+    print(report(all_units, timed, args.jobs, args.cores))
+
+
+if __name__ == "__main__":
+    main()
