@@ -10,7 +10,7 @@ JIT's own commands, ``--jobs`` at a time, and projects the build: each kind's me
 units. ``--per-kind 0`` compiles them all (the build itself, without the link).
 
     python scripts/flashinfer_build_cost.py --cuda-home DIR [--per-kind 1] [--jobs 1] \\
-        [--json cost.json] > cost.md
+        [--json cost.jsonl] > cost.md
 
 ``DIR`` holds ``bin/nvcc`` and the CUDA headers; pip's ``nvidia-cuda-nvcc``, ``-crt``,
 ``-runtime``, ``-cccl`` and ``nvidia-nvvm`` wheels (13.0) with the headers of ``nvidia-cublas``
@@ -100,7 +100,8 @@ def main() -> None:
     parser.add_argument("--cuda-home", type=Path, required=True)
     parser.add_argument("--per-kind", type=int, default=1, help="units compiled per kind (0: all)")
     parser.add_argument("--jobs", type=int, default=1)
-    parser.add_argument("--json", type=Path, help="every compiled unit's time")
+    parser.add_argument("--json", type=Path, help="each compiled unit's time, a JSON line as it "
+                        "ends (appended)")
     parser.add_argument("--cores", type=int, default=16, help="the build host's cores, for the "
                         "projection (the GPU machine's: 16)")
     args = parser.parse_args()
@@ -111,10 +112,13 @@ def main() -> None:
             if args.per_kind == 0 or taken[kind(u["file"])] < args.per_kind:
                 taken[kind(u["file"])] += 1
                 chosen.append(u)
+        timed = []
         with ThreadPoolExecutor(args.jobs) as pool:
-            timed = list(pool.map(compile_one, chosen))
-    if args.json:
-        args.json.write_text(json.dumps(timed, indent=1))
+            for result in pool.map(compile_one, chosen):
+                timed.append(result)
+                if args.json:  # unit by unit: a run stopped early keeps what it measured
+                    with args.json.open("a") as f:
+                        f.write(json.dumps(result) + "\n")
     print(report(all_units, timed, args.jobs, args.cores))
 
 
