@@ -284,6 +284,11 @@ def kernel_times(work: Callable[[], object]) -> dict[str, float]:
     return times
 
 
+def rounds(runs: list[dict]) -> int:
+    """Rounds run: one off process each (a later round may leave the control process out)."""
+    return sum(r["mode"] == "off" for r in runs)
+
+
 def parse_cases(text: str) -> list[tuple[int, int, int]]:
     """``"1000/1000:64,128/1024:64"`` -> [(prompt, output, requests), ...]."""
     cases = []
@@ -365,8 +370,7 @@ def main() -> None:
         args.json.parent.mkdir(parents=True, exist_ok=True)  # the engines' logs go beside it
     if args.resume and args.json.exists():
         runs = [json.loads(line) for line in args.json.read_text().splitlines() if line]
-    # One off process per round: a later round may leave the control process out.
-    done = sum(r["mode"] == "off" for r in runs)
+    done = rounds(runs)
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         config = write_model(args.preset, work / "model", args.layers, args.dtype)
@@ -402,7 +406,7 @@ def main() -> None:
                                           if "moetune" in line][:PLUGIN_LINES]
                 if args.json:
                     args.json.write_text("".join(json.dumps(r) + "\n" for r in runs))
-    args.rounds = sum(r["mode"] == "off" for r in runs)
+    args.rounds = rounds(runs)
     text = report(args, config, runs, today)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(text)

@@ -8,6 +8,7 @@ import argparse
 import json
 import statistics
 import sys
+from collections import Counter
 
 from vllm_bench_common import machine
 
@@ -176,8 +177,7 @@ def report(args: argparse.Namespace, config: dict, runs: list[dict], today: str)
            f"vocabulary {config['vocab_size']}")
     command = " ".join(["python", "scripts/bench_vllm_e2e.py", *sys.argv[1:]])
     startup = ", ".join(f"{r['startup_s']:.0f}" for r in runs)
-    modes = dict.fromkeys(r["mode"] for r in runs)
-    per_mode = ", ".join(f"{sum(r['mode'] == m for r in runs)} {m}" for m in modes)
+    per_mode = ", ".join(f"{n} {m}" for m, n in Counter(r["mode"] for r in runs).items())
     nl = "\n"
     weights = "" if args.vllm_dummy_weights else ", scaled to variance 1/fan-in, norms about 1"
     execution = ("`enforce_eager`" if args.eager
