@@ -14,9 +14,10 @@ Settings (environment):
     MOETUNE_STATS   where each process that ran MoE layers writes its counters at exit
                     (``{pid}`` is replaced by the process id)
 
-Anything wrong with the table, a vLLM outside ``versions.FACTS`` or vLLM internals that
-differ leave vLLM serving with its own kernels and one warning; only ``strict`` refuses to
-start, with a ``TableError`` saying why.
+Anything wrong with the table, a vLLM outside ``versions.FACTS``, vLLM internals that differ
+or vLLM asked for batch-invariant outputs (``VLLM_BATCH_INVARIANT=1``) leave vLLM serving with
+its own kernels and one warning; only ``strict`` refuses to start, with a ``TableError`` saying
+why.
 """
 
 from __future__ import annotations
@@ -62,9 +63,9 @@ def register() -> None:
     state = PluginState(settings)
     state.check_strict()
     vllm = versions.installed()
-    outside = versions.unsupported(vllm)
-    if outside:
-        _disable(settings.mode is Mode.STRICT, outside, None)
+    aside = versions.unsupported(vllm) or versions.batch_invariance_aside()
+    if aside:
+        _disable(settings.mode is Mode.STRICT, aside, None)
         return
     try:
         hooked = hook.install(state, classes.platform_specs())

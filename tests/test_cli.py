@@ -90,6 +90,30 @@ def test_lookup_tuned_and_untuned_shapes(tiny_table):
     assert rule.kernel in other.output  # vLLM's CPU kernel where vLLM is installed
 
 
+def test_lookup_and_doctor_say_vllms_own_kernel_runs_where_the_plugin_hooks_nothing(
+        tiny_table, monkeypatch):
+    """Serving leaves a batch-invariant vLLM, or a release it does not serve, alone; lookup
+    and doctor say so."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh --vllm)")
+    args = ("lookup", "--table", tiny_table, "--preset", "tiny", "--num-tokens", 7,
+            "--device", "cpu")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    aside = invoke(*args)
+    assert aside.exit_code == 0, aside.output
+    assert "source:  vLLM" in aside.output and "VLLM_BATCH_INVARIANT=1" in aside.output
+    assert "pick:    vLLM's own kernel" in aside.output
+    doctor = invoke("doctor", "--device", "cpu").output
+    assert "VLLM_BATCH_INVARIANT=1" in doctor and "the plugin disables itself" in doctor
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert "source:  table" in invoke(*args).output
+    assert "VLLM_BATCH_INVARIANT" not in invoke("doctor", "--device", "cpu").output
+    from moetune.runtime.vllm import versions
+
+    monkeypatch.setattr(versions, "installed", lambda: "0.35.0")  # a release it does not serve
+    outside = invoke(*args).output
+    assert "source:  vLLM" in outside and "vLLM 0.35.0 is outside" in outside
+
+
 def test_lookup_says_padding_rows_are_routed_first_where_vllm_routes_them_nowhere(
         tmp_path, monkeypatch):
     """Before a moetune kernel, serving sends the slots vLLM's routers leave without an expert

@@ -465,6 +465,25 @@ def test_vllm_outside_the_supported_versions_disables_the_plugin(fresh_plugin, m
         plugin.register()
 
 
+def test_batch_invariant_vllm_is_left_alone(fresh_plugin, monkeypatch, caplog, table):
+    """Per-bucket winners (and atomics) would make a request's output depend on its batch."""
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh --vllm)")
+    monkeypatch.setenv("MOETUNE_TABLE", str(table))
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    plugin.register()
+    (warning,) = [r for r in caplog.records if r.levelname == "WARNING"]
+    assert "VLLM_BATCH_INVARIANT=1" in warning.getMessage()
+    assert plugin._STATE is None and not hasattr(fresh_plugin.apply, hook._MARK)
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
+    monkeypatch.setenv("MOETUNE_MODE", "strict")
+    with pytest.raises(TableError, match="VLLM_BATCH_INVARIANT=1"):
+        plugin.register()
+    monkeypatch.setattr(plugin, "_REGISTERED", False)
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    plugin.register()
+    assert plugin._STATE is not None and hasattr(fresh_plugin.apply, hook._MARK)
+
+
 def test_supported_versions_include_local_and_dev_builds():
     for v in ("0.32.0", "0.32.0+cpu", "0.32.1.dev4+g1234", "0.33.0", "0.34.0", "0.34.2rc1"):
         assert versions.unsupported(v) is None, v

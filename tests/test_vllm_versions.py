@@ -258,6 +258,25 @@ def test_rows_routed_nowhere_are_expected_exactly_while_vllm_skips_padding(monke
     assert not versions.unrouted_rows(FACTS)
 
 
+def test_batch_invariance_is_read_as_vllm_reads_it_and_fixes_vllms_config(monkeypatch):
+    """The plugin leaves a batch-invariant vLLM alone: under ``VLLM_BATCH_INVARIANT=1`` this
+    release runs one Triton config at every batch size and reads no tuned file, which a
+    per-bucket winner would break."""
+    monkeypatch.delenv("VLLM_BATCH_INVARIANT", raising=False)
+    assert versions.batch_invariance_aside() is None
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "0")
+    assert versions.batch_invariance_aside() is None
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert "VLLM_BATCH_INVARIANT=1" in versions.batch_invariance_aside()
+    picked = {str(fused_moe.get_default_config(m, 128, 768, 2048, 8, None)) for m in (1, 64, 4096)}
+    assert len(picked) == 1
+    fused_moe.get_moe_configs.cache_clear()
+    try:
+        assert fused_moe.get_moe_configs(8, 14336, None) is None
+    finally:
+        fused_moe.get_moe_configs.cache_clear()
+
+
 def test_a_batch_padded_for_a_cuda_graph_gives_every_real_row_what_vllm_computes(hooked_triton):
     """vLLM pads a batch to a captured CUDA graph's size and its routers give the extra
     rows expert -1 and weight 0 (during a capture every row is such): the hook marks every

@@ -145,7 +145,16 @@ def _phases(seconds: dict[str, float]) -> str:
 
 def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan) -> str:
     """What serving runs for ``problem``: read from the plan vLLM's plugin builds for its shape
-    (``ShapePlan.build``), so lookup and the engine cannot disagree."""
+    (``ShapePlan.build``), so lookup and the engine cannot disagree; where the plugin hooks no
+    layer (the installed vLLM is not one it serves, or asks for batch invariance), vLLM's."""
+    found = versions.installed()
+    outside = versions.unsupported(found) if found != "unknown" else None
+    if aside := outside or versions.batch_invariance_aside():
+        return "\n".join([f"problem: {problem.describe()}",
+                          f"table:   {dispatcher.status.path or '-'} ({dispatcher.status.reason})",
+                          "pick:    vLLM's own kernel (moetune hooks no layer)",
+                          "source:  vLLM",
+                          f"why:     {aside}"])
     choice, _ = plan.lookup(problem.num_tokens)
     bucket = plan.bucket(problem.num_tokens)
     rule = rule_choice(problem, dispatcher.sku)
@@ -217,7 +226,7 @@ def vllm_text() -> str:
     if found == "unknown":
         return (f"not installed; the plugin serves vLLM {versions.supported_list()} "
                 f"(pip install \"vllm{versions.supported_range().replace(' ', '')}\")")
-    why = versions.unsupported(found)
+    why = versions.unsupported(found) or versions.batch_invariance_aside()
     if why:
         return f"{why}: the plugin disables itself and vLLM serves its own kernels"
     return f"{found}, supported (the plugin serves vLLM {versions.supported_list()})"

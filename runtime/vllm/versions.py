@@ -117,6 +117,25 @@ def installed_facts() -> VllmFacts:
     return facts_of(installed()) or FACTS[NEWEST]
 
 
+def batch_invariance_aside() -> str | None:
+    """Why serving leaves the installed vLLM's MoE layers alone whatever the table holds, or
+    None: vLLM is asked for batch-invariant outputs (``VLLM_BATCH_INVARIANT=1``, read as vLLM
+    reads it). None without vLLM.
+
+    In that mode every supported release runs its fused MoE at one fixed Triton config whatever
+    the batch size, and only experts classes that declare batch invariance, so that a request's
+    output does not depend on what it is batched with. A table's winner changes with the
+    batch's bucket, and some winners add with atomics."""
+    try:
+        import vllm.envs
+    except ImportError:
+        return None
+    if not vllm.envs.VLLM_BATCH_INVARIANT:
+        return None
+    return ("VLLM_BATCH_INVARIANT=1 asks vLLM for outputs that do not depend on the batch, "
+            "which moetune's per-bucket winners would break")
+
+
 def unrouted_rows(facts: VllmFacts) -> bool:
     """Whether MoE calls may carry padding rows routed nowhere (``topk_ids`` -1, weight 0): the
     routers of ``facts``' version mark a padded batch's extra rows so (CUDA graphs pad every
