@@ -21,17 +21,19 @@ def run_child(script: str, argv: list[str], out: Path, log: Path | None = None,
               **env: str) -> dict:
     """Run ``script --child *argv`` in a fresh interpreter with ``env`` added to this process's
     environment less its ``MOETUNE_*`` settings, and return the JSON it wrote to ``out``;
-    its stderr (the engine's and the plugin's log) goes to ``log`` if given.
+    its output, stdout and stderr interleaved (vLLM logs to stdout, the plugin to stderr), goes
+    to ``log`` if given.
 
-    Exits with the child's stderr tail if it failed, naming ``env``.
+    Exits with the child's output tail if it failed, naming ``env``.
     """
     full = {k: v for k, v in os.environ.items() if not k.startswith("MOETUNE_")} | env
     proc = subprocess.run([sys.executable, script, "--child", *argv], env=full,
-                          capture_output=True, text=True, check=False)
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          check=False)
     if log:
-        log.write_text(proc.stderr)
+        log.write_text(proc.stdout)
     if proc.returncode:
-        sys.exit(f"engine run failed ({env}):\n{proc.stderr[-4000:]}")
+        sys.exit(f"engine run failed ({env}):\n{proc.stdout[-4000:]}")
     return json.loads(out.read_text())
 
 
