@@ -27,11 +27,10 @@ case (8 output tokens):
   (``--latency-lengths PROMPT/OUTPUT``), each the median of ``--repeats``; time per output token
   = (t_OUTPUT - t_1) / (OUTPUT - 1), the prefill left out;
 * a greedy check: 8 prompts of 64 tokens, 32 output tokens with their log-probabilities and
-  each position's margin (top-1 less top-2 log-probability), compared across all processes (off with off shows the engine's own run-to-run differences; with
-  ``--control-configs DIR`` or ``--control-block-k K`` a third process per round runs vLLM's own
-  kernel at the tuned configs in DIR, or at its default configs with the K tile set to K, and
-  times nothing, so the check shows what rounding alone does to this model's tokens: the K tile
-  sets the order of each output's sum, which configs that keep it do not change);
+  each position's margin (top-1 less top-2 log-probability), compared across all processes: off
+  with off shows the engine's own run-to-run differences, lookup with lookup the plugin's (winners
+  that add a token's top-k rows with atomics, at top-k above 2, round in a different order each
+  run), which shows how far rounding alone moves this model's tokens;
 * with ``--profile`` (CUDA), the GPU time of every kernel in two windows under torch's profiler
   (a decode window: the largest batch of 128-token prompts generating 64 tokens; a prefill
   window: that many 1000-token prompts generating 1): vLLM's experts kernels by name give the
@@ -112,30 +111,6 @@ def write_model(preset: str, folder: Path, layers: int | None, dtype: str) -> di
     return config
 
 
-#: The batch sizes of vLLM's tuned config files, and the chunked prefill's larger ones.
-CONTROL_SIZES = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 256, 512, 1024, 1536, 2048, 3072, 4096,
-                 8192, 16384)
-
-
-def write_control_configs(folder: Path, config: dict, block_k: int, device: str) -> Path:
-    """A config file vLLM reads for the model's bf16 experts on ``device``: vLLM's default
-    config at every size with ``BLOCK_SIZE_K`` set to ``block_k``. Each output's sum over K runs
-    in steps of ``BLOCK_SIZE_K``: vLLM's own kernel with its sums in another order."""
-    from moetune.runtime.problem import MoEProblem
-    from moetune.runtime.vllm.configs import config_file_name, vllm_default_config
-
-    experts = config.get("num_local_experts") or config["num_experts"]
-    n = config.get("moe_intermediate_size") or config["intermediate_size"]
-    entries = {m: vllm_default_config(MoEProblem(
-        num_tokens=m, hidden_size=config["hidden_size"], intermediate_size=n,
-        num_experts=experts, topk=config["num_experts_per_tok"])) | {"BLOCK_SIZE_K": block_k}
-        for m in CONTROL_SIZES}
-    folder.mkdir(parents=True, exist_ok=True)
-    name = config_file_name(experts, n, device.replace(" ", "_"), None, None)
-    (folder / name).write_text(json.dumps(entries, indent=1))
-    return folder / name
-
-
 def token_prompts(n: int, length: int, vocab: int, seed: int) -> list[dict]:
     """``n`` prompts of ``length`` random token ids (the same for the same arguments)."""
     rng = random.Random(seed)
@@ -171,14 +146,7 @@ def child(spec_path: str, out: str) -> None:
 
     from moetune import serving
 
-    mode = os.environ.get("MOETUNE_E2E_LABEL") or os.environ.get("MOETUNE_MODE")
-    control_file = None
-    if mode == "control" and spec["control_block_k"]:
-        control_file = write_control_configs(
-            Path(spec_path).parent / "control-configs",
-            json.loads((Path(spec["model"]) / "config.json").read_text()),
-            spec["control_block_k"], torch.cuda.get_device_name())
-        os.environ["VLLM_TUNED_CONFIG_FOLDER"] = str(control_file.parent)
+    mode = os.environ.get("MOETUNE_MODE")
     if spec["scaled_weights"]:  # the loader runs in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0)
         from vllm.model_executor.model_loader import dummy_loader
 
@@ -212,8 +180,7 @@ def child(spec_path: str, out: str) -> None:
         outputs = llm.generate(prompts, params, use_tqdm=False)
         return time.perf_counter() - t0, outputs
 
-    # A control process is there for its greedy tokens alone: it times nothing.
-    timed = mode != "control" and not spec["check_only"]
+    timed = not spec["check_only"]
     cases = [(p, o, n, token_prompts(n, p, vocab, seed=i)) for i, (p, o, n) in
              enumerate(spec["cases"])] if timed else []
     for p, o, n, prompts in cases:
@@ -256,7 +223,6 @@ def child(spec_path: str, out: str) -> None:
     Path(out).write_text(json.dumps({
         "mode": mode,
         "startup_s": startup_s, "device": device,
-        "control_configs": control_file and json.loads(control_file.read_text()),
         "vllm": vllm.__version__, "torch": torch.__version__, "throughput": throughput,
         "latency": latency, "check": check, "profile": profiles, "stats": serving.stats()}))
 
@@ -285,7 +251,7 @@ def kernel_times(work: Callable[[], object]) -> dict[str, float]:
 
 
 def rounds(runs: list[dict]) -> int:
-    """Rounds run: one off process each (a later round may leave the control process out)."""
+    """Rounds run: one off process each."""
     return sum(r["mode"] == "off" for r in runs)
 
 
@@ -317,20 +283,11 @@ def main() -> None:
     parser.add_argument("--attention", help="attention backend (default TRITON_ATTN on cuda)")
     parser.add_argument("--vllm-dummy-weights", action="store_true", help="vLLM's +-1e-3 "
                         "weights as they are (default: scaled, see scaled())")
-    parser.add_argument("--control-configs", type=Path, help="a third process per round: "
-                        "MOETUNE_MODE=off with VLLM_TUNED_CONFIG_FOLDER=DIR, vLLM's own kernel "
-                        "at other tuned configs, whose greedy tokens show how far rounding "
-                        "alone moves this model's (the check table)")
-    parser.add_argument("--control-block-k", type=int, help="a third process per round: "
-                        "MOETUNE_MODE=off, vLLM's own kernel at its default configs with "
-                        "BLOCK_SIZE_K set to this at every size (its sums in another order; "
-                        "CUDA, bf16), whose greedy tokens show how far rounding alone moves "
-                        "this model's")
     parser.add_argument("--check-only", action="store_true", help="every process takes only "
                         "the greedy check (the token question in a few minutes)")
     parser.add_argument("--no-lookup", action="store_true", help="no lookup process: an off "
-                        "(and a control) process per round, to set vLLM's own run-to-run and "
-                        "config-to-config differences beside an earlier lookup run")
+                        "process per round, to set vLLM's own run-to-run differences beside an "
+                        "earlier lookup run")
     parser.add_argument("--eager", action="store_true", default=None,
                         help="enforce_eager instead of vLLM's default torch.compile and CUDA "
                         "graphs (default on the CPU)")
@@ -342,15 +299,10 @@ def main() -> None:
     parser.add_argument("--out", type=Path, help="default bench/results/vllm-e2e-PRESET-DATE.md")
     parser.add_argument("--json", type=Path, help="every process's raw results (JSON lines)")
     parser.add_argument("--resume", action="store_true", help="add to the runs already in "
-                        "--json (same arguments, --control-configs aside): rounds split over "
-                        "several calls")
+                        "--json (same arguments): rounds split over several calls")
     args = parser.parse_args()
     if args.resume and not args.json:
         parser.error("--resume needs --json")
-    if args.control_configs and args.control_block_k:
-        parser.error("one control: --control-configs or --control-block-k")
-    if args.control_block_k and args.device != "cuda":
-        parser.error("--control-block-k sets the CUDA Triton kernel's configs")
     if args.no_lookup and not args.check_only:
         parser.error("--no-lookup has nothing to time against: add --check-only")
     args.dtype = args.dtype or PRESETS[args.preset][1]
@@ -378,7 +330,6 @@ def main() -> None:
                 "cases": cases, "latency": latency,
                 "eager": args.eager, "scaled_weights": not args.vllm_dummy_weights,
                 "profile": args.profile, "check_only": args.check_only,
-                "control_block_k": args.control_block_k,
                 "max_num_seqs": max([n for _, _, n in cases] + latency + [CHECK_REQUESTS]),
                 "latency_lengths": [lat_prompt, lat_output], "repeats": args.repeats,
                 "attention": args.attention, "max_model_len": args.max_model_len,
@@ -389,21 +340,15 @@ def main() -> None:
         lookup = {"MOETUNE_TABLE": str(args.table.resolve())} if args.table else {}
         for i in range(done, done + args.rounds):
             modes = [("off", {})] + [("lookup", lookup)] * (not args.no_lookup)
-            if args.control_configs:
-                modes.append(("control", {"VLLM_TUNED_CONFIG_FOLDER":
-                                          str(args.control_configs.resolve())}))
-            elif args.control_block_k:
-                modes.append(("control", {}))
             random.Random(i).shuffle(modes)
             for mode, env in modes:
                 out = work / f"{mode}-{i}.json"
                 log = (args.json.parent if args.json else work) / f"{args.preset}-{mode}-{i}.log"
                 print(f"round {i + 1}: MOETUNE_MODE={mode}", flush=True)
                 runs.append(run_child(__file__, [str(work / "spec.json"), str(out)], out, log,
-                                      MOETUNE_MODE="off" if mode == "control" else mode,
-                                      MOETUNE_E2E_LABEL=mode, **env, **offline))
+                                      MOETUNE_MODE=mode, **env, **offline))
                 runs[-1]["plugin_log"] = [line for line in log.read_text().splitlines()
-                                          if "moetune" in line][:PLUGIN_LINES]
+                                          if "[moetune]" in line][:PLUGIN_LINES]
                 if args.json:
                     args.json.write_text("".join(json.dumps(r) + "\n" for r in runs))
     args.rounds = rounds(runs)

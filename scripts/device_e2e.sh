@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine, once scripts/vllm_device_unpack.py has assembled vLLM's offline engine in
-# /tmp/vllm-site (docs/vllm.md): one round of scripts/bench_vllm_e2e.py (an off, a lookup and,
-# with --control-configs, a control process) started in the background, then polled until it ends
+# /tmp/vllm-site (docs/vllm.md): one round of scripts/bench_vllm_e2e.py (an off and a lookup
+# process) started in the background, then polled until it ends
 # or BUDGET_S is spent. A round outlives the 10-minute limit of a call: a later call polls the
 # running one instead of starting another, and a call after it ended starts the next round
 # (--resume). Every call packs the report, the raw results and the engines' logs into
 # $OUT/e2e.tgz.
 #   OUT=... COMMIT=<sha> BUDGET_S=540 bash scripts/device_e2e.sh --preset qwen3-30b-a3b \
-#       --profile --gpu-memory-utilization 0.93 [--control-configs DIR] [--layers N] ...
+#       --profile --gpu-memory-utilization 0.93 [--layers N] [--check-only] ...
 set -u
 STATE=${STATE:-/tmp/moetune-e2e}
 BUDGET_S=${BUDGET_S:-540}
