@@ -13,6 +13,7 @@ from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.plan import ShapePlan
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.registry import default_registry
+from moetune.serving.settings import Settings
 from moetune.tuner import adopt as adopt_table
 from moetune.tuner import report
 from moetune.tuner.cli import (EP, TP, Act, Config, Device, DeviceOpt, DTypeOpt, Experts,
@@ -60,7 +61,8 @@ def lookup(
         "one shipped for it) and vLLM's configs installed here; its versions are not checked",
         show_default=False)] = None,
 ) -> None:
-    """What serving runs for one MoE call, and why: the plan vLLM's plugin builds."""
+    """What serving runs for one MoE call, and why: the plan vLLM's plugin builds (under the
+    MOETUNE_DETERMINISTIC and VLLM_BATCH_INVARIANT set here)."""
     shape, _ = resolve(ShapeOptions(preset, config, tp, ep, hidden, intermediate, experts, topk,
                                     dtype, quant, activation, router_weight_on_input))
     problem = shape.problem(num_tokens)
@@ -72,7 +74,8 @@ def lookup(
         if table is not None:  # one named but unreadable is an error; serving would fall back
             open_table(table).close()
         dispatcher = Dispatcher.load(table or default_table(target), target)
-    plan = ShapePlan.build(dispatcher, problem.shape, WeightLayout.PLAIN)
+    plan = ShapePlan.build(dispatcher, problem.shape, WeightLayout.PLAIN,
+                           Settings.from_env().deterministic)
     out.print(report.lookup_text(problem, dispatcher, plan), highlight=False)
 
 

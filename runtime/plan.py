@@ -45,7 +45,8 @@ class Choice:
     kernel: str | None = None
     params: dict[str, Any] = dataclasses.field(default_factory=dict)
     graph_safe: bool = False
-    #: ``stale`` or ``faulty`` where the bucket has a table row serving does not use.
+    #: ``stale``, ``faulty`` or ``nondeterministic`` where the bucket has a table row serving
+    #: does not use.
     refused: str = ""
     #: ``kernel`` is vLLM's own ``apply`` under a setting (``BaseKernel.in_engine``).
     engine: bool = False
@@ -80,11 +81,13 @@ class ShapePlan:
         self._memo: dict[int, tuple[Choice, int | None]] = {}
 
     @classmethod
-    def build(cls, dispatcher: Any, shape: Shape, layout: WeightLayout) -> ShapePlan:
+    def build(cls, dispatcher: Any, shape: Shape, layout: WeightLayout,
+              deterministic: bool = False) -> ShapePlan:
         """Ask ``dispatcher`` for each of the shape's buckets. A bucket whose row the dispatcher
-        refuses (faulty, or stale: timed against another rule or under other versions) runs
-        vLLM's own kernel, counted as a fallback: its num_tokens are not sent to a neighbour's
-        winner, which was never timed there."""
+        refuses (faulty, or stale: timed against another rule or under other versions), or
+        with ``deterministic`` one whose winner's bits may change between calls
+        (``BaseKernel.run_to_run``), runs vLLM's own kernel, counted as a fallback: its
+        num_tokens are not sent to a neighbour's winner, which was never timed there."""
         faults = dispatcher.faults(shape)
         choices = {m: Choice(Outcome.FALLBACK, f"faulty table row: {why}", refused="faulty")
                    if m in faults else Choice(Outcome.FALLBACK, f"table row {why}",
@@ -99,6 +102,12 @@ class ShapePlan:
                 choices[m] = Choice(Outcome.HIT, "the winner is vLLM's own kernel")
             else:
                 kernel = dispatcher.registry.get(selection.kernel)
+                varies = deterministic and kernel.run_to_run(shape.problem(m), selection.params)
+                if varies:
+                    choices[m] = Choice(Outcome.FALLBACK, "MOETUNE_DETERMINISTIC=1, and the "
+                                        f"winner's bits may change between calls: {varies}",
+                                        refused="nondeterministic")
+                    continue
                 engine = kernel.in_engine(shape.problem(m), selection.params) is not None
                 reason = selection.reason + (
                     "; served as vLLM's own experts apply with these parameters "

@@ -7,6 +7,9 @@ does nothing either: settings are read, and vLLM's MoE experts hooked (``hook``)
 
 Settings (environment):
     MOETUNE_MODE    off | lookup (default) | strict | record
+    MOETUNE_DETERMINISTIC
+                    1: serve only winners whose bits are the same in every call (no atomics
+                    adding more than two values), vLLM's own kernel elsewhere; default 0
     MOETUNE_TABLE   table file; default this machine's adopted table for this SKU
                     (``moetune adopt``), else ``runtime/tables/<vendor>_<name>.db``
     MOETUNE_HOME    where adopted tables live (default ``~/.local/share/moetune``)
@@ -55,7 +58,7 @@ def register() -> None:
     try:
         settings = Settings.from_env()
     except MoetuneError as e:
-        logger.warning("moetune: disabled: %s (MOETUNE_MODE)", e)
+        logger.warning("moetune: disabled: %s", e)
         return
     if settings.mode is Mode.OFF:
         logger.info("moetune: MOETUNE_MODE=off, vLLM's own MoE kernels run (pid %d)", os.getpid())
@@ -74,8 +77,9 @@ def register() -> None:
                  f"({e})", e)
         return
     _STATE = state
-    logger.info("moetune: hooked %s of vLLM %s, mode %s, table %s (read at the first MoE layer; "
-                "pid %d)", ", ".join(hooked), vllm, settings.mode.value,
+    logger.info("moetune: hooked %s of vLLM %s, mode %s%s, table %s (read at the first MoE "
+                "layer; pid %d)", ", ".join(hooked), vllm, settings.mode.value,
+                ", deterministic winners only" if settings.deterministic else "",
                 settings.table or "adopted or shipped for this SKU", os.getpid())
 
 

@@ -166,7 +166,8 @@ class PluginState:
                             logger.warning("moetune: table %s: %s; vLLM's own kernel runs for "
                                            "that bucket (counted as fallback)",
                                            dispatcher.path, row)
-                    plan = self._plans[key] = ShapePlan.build(dispatcher, shape, layout)
+                    plan = self._plans[key] = ShapePlan.build(
+                        dispatcher, shape, layout, self.settings.deterministic)
         return plan
 
     # --- counting and recording --------------------------------------------------------------

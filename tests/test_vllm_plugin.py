@@ -484,6 +484,25 @@ def test_batch_invariant_vllm_is_left_alone(fresh_plugin, monkeypatch, caplog, t
     assert plugin._STATE is not None and hasattr(fresh_plugin.apply, hook._MARK)
 
 
+def test_deterministic_serving_runs_vllms_kernel_where_the_winner_varies(fresh_plugin, table,
+                                                                        monkeypatch, caplog):
+    """``MOETUNE_DETERMINISTIC=1`` reaches the plans the hooked layers serve from."""
+    monkeypatch.setattr(TorchGroupedKernel, "run_to_run",
+                        classmethod(lambda cls, problem, params: "adds with atomics"))
+    monkeypatch.setenv("MOETUNE_TABLE", str(table))
+    monkeypatch.setenv("MOETUNE_DETERMINISTIC", "1")
+    caplog.set_level(logging.INFO, logger="moetune")
+    plugin.register()
+    assert any("deterministic winners only" in r.getMessage() for r in caplog.records)
+    experts, layer = make_layer(fresh_plugin)
+    call(experts, layer, 4)
+    (counts,) = plugin.counters().values()
+    assert counts == {"hit": 0, "miss": 0, "fallback": 1}
+    monkeypatch.setenv("MOETUNE_DETERMINISTIC", "0")
+    assert PluginState(Settings.from_env()).plan(SHAPE, TorchGroupedKernel.layout).choices[
+        4].kernel == "torch_grouped"
+
+
 def test_supported_versions_include_local_and_dev_builds():
     for v in ("0.32.0", "0.32.0+cpu", "0.32.1.dev4+g1234", "0.33.0", "0.34.0", "0.34.2rc1"):
         assert versions.unsupported(v) is None, v

@@ -175,6 +175,10 @@ def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan) ->
         lines.append(f"tuned:   {s.median_us:.1f}us, {s.speedup:.2f}x over the rule"
                      if s.median_us is not None and s.speedup is not None else
                      f"tuned:   {_num(s.median_us, '.1f', 'us')} (imported: no speedup measured)")
+    if choice.kernel is not None and bucket is not None:
+        varies = dispatcher.registry.get(choice.kernel).run_to_run(
+            plan.shape.problem(bucket), choice.params)
+        lines.append(f"repeats: {varies or 'the same bits in every call'}")
     if choice.kernel is None:
         lines.append(f"rule:    {rule.reason}")
     elif not choice.engine and not dispatcher.registry.get(choice.kernel).skips_unrouted \

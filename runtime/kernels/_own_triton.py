@@ -1,5 +1,6 @@
 """What moetune's own Triton kernels (``moetune_decode``, ``moetune_grouped``) share: where they
-run, which fp8 they compute, and how their parameters are looked up."""
+run, which fp8 they compute, how their parameters are looked up, and when their atomic reduces
+make a call's bits differ from the next."""
 
 from __future__ import annotations
 
@@ -50,3 +51,14 @@ class OwnTritonKernel(BaseKernel):
     def choices(cls, name: str) -> tuple[Any, ...]:
         """The searched values of parameter ``name``."""
         return next(p.choices for p in cls.params if p.name == name)
+
+
+def atomic_order_reason(reduce: str, addends: int) -> str | None:
+    """Why a reduce may give other bits in another call: atomics adding more than two values
+    into one element, in the order the GPU runs them (float addition is not associative); None
+    for an ordered reduce or at most two addends (``0 + a + b`` is ``0 + b + a``)."""
+    if reduce not in ("atomic", "atomic_out") or addends <= 2:
+        return None
+    return (f"REDUCE={reduce} adds {addends} partial rows into each output row with atomics, "
+            "in the order the GPU runs them")
+

@@ -88,6 +88,7 @@ class AiterTritonKernel(BaseKernel):
     """One config for both GEMMs, as vLLM runs it; the activation is a separate torch op."""
 
     name = "aiter_triton"
+    deterministic = True  # GEMM2 writes each (token, slot) row; ``torch.sum`` over top-k
     params = config_params()
     graph_safe = True  # routing by ``_align`` (no host sync), Triton launches sized by shapes
     compiles = True

@@ -105,7 +105,8 @@ class BaseKernel(abc.ABC):
     MAY override: ``_supports_device``, ``_supports_quant``, ``_supports_problem`` for what is
     not data (returning ``super()``'s verdict where theirs passes), ``check_params``
     (constraints across parameters, e.g. shared memory), ``seed_params``, ``gemm_configs`` and
-    ``from_gemm_configs``, ``in_engine`` (a kernel that is the engine's own ``apply``).
+    ``from_gemm_configs``, ``in_engine`` (a kernel that is the engine's own ``apply``),
+    ``run_to_run`` (whether its output bits can change between calls).
     """
 
     name: ClassVar[str]
@@ -125,6 +126,11 @@ class BaseKernel(abc.ABC):
     #: (they may be garbage, even not finite); every other row is exactly what it is without
     #: those slots. False: serving first sends such slots to expert 0 at weight 0 (one launch).
     skips_unrouted: ClassVar[bool] = False
+    #: True if two calls on the same inputs give bitwise the same output at any parameters:
+    #: checked for this family (no float atomics, or none that add more than two values into
+    #: one element). False, the default: not checked; a family whose answer depends on its
+    #: parameters overrides ``run_to_run`` instead.
+    deterministic: ClassVar[bool] = False
 
     # --- capabilities ------------------------------------------------------------------------
     #: The vendors it runs on.
@@ -211,6 +217,14 @@ class BaseKernel(abc.ABC):
             if size % align:
                 return f"{what} size {size} is not a multiple of {align}"
         return None
+
+    @classmethod
+    def run_to_run(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
+        """Why two calls with ``params`` on the same inputs may give different bits (float
+        atomics add in the order the GPU runs them, and float addition is not associative),
+        or None where they give the same. Serving under ``MOETUNE_DETERMINISTIC=1`` and tuning
+        with ``--deterministic`` take only kernels that give None."""
+        return None if cls.deterministic else f"{cls.name} is not checked for determinism"
 
     # --- parameters --------------------------------------------------------------------------
     @classmethod

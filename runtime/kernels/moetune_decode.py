@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
-from moetune.runtime.kernels._own_triton import OwnTritonKernel
+from moetune.runtime.kernels._own_triton import OwnTritonKernel, atomic_order_reason
 from moetune.runtime.platform import SKU, Vendor
 from moetune.runtime.kernels.triton_config import operand_bytes, pdl_reason
 from moetune.runtime.problem import DType, MoEProblem, QuantScheme
@@ -96,6 +96,11 @@ class MoetuneDecodeKernel(OwnTritonKernel):
                 return (f"PDL=1: W2 rows of I={i} elements are not {PREFETCH_ALIGN}-byte aligned "
                         "for the L2 prefetch")
         return None
+
+    @classmethod
+    def run_to_run(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
+        """Each output row meets top-k x SPLIT_K partials by atomics unless ``REDUCE=ordered``."""
+        return atomic_order_reason(params["REDUCE"], problem.topk * params["SPLIT_K"])
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:

@@ -29,6 +29,7 @@ class MoetuneDecodeOneKernel(OwnTritonKernel):
     (+weighted ordered reduce); ``PROGRAMS_PER_SM`` sizes the grid (capped at what is resident)."""
 
     name = "moetune_decode_one"
+    deterministic = True  # partials summed in a fixed order (``_one_launch``)
     params = (
         Param("BLOCK_N1", (1, 2, 4, 8, 16, 32)),
         Param("BLOCK_K1", (64, 128, 256, 512, 1024)),

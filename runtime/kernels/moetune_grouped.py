@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from moetune.runtime.kernels.base import MoEFn, MoEWeights, Param
-from moetune.runtime.kernels._own_triton import OwnTritonKernel
+from moetune.runtime.kernels._own_triton import OwnTritonKernel, atomic_order_reason
 from moetune.runtime.kernels.triton_config import (
     QUANT_BLOCK, config_of, config_params, operand_bytes, shared_memory_bytes,
     shared_memory_limit, tma_reason, vllm_config, with_prefix)
@@ -141,6 +141,11 @@ class MoetuneGroupedKernel(OwnTritonKernel):
         if problem.dtype is DType.FLOAT32 and reduce == "atomic_out":
             return "float32 output: REDUCE=atomic already adds into the output"
         return None
+
+    @classmethod
+    def run_to_run(cls, problem: MoEProblem, params: dict[str, Any]) -> str | None:
+        """A token's top-k rows meet by atomics unless ``REDUCE=sum``."""
+        return atomic_order_reason(params["REDUCE"], problem.topk)
 
     @classmethod
     def seed_params(cls, problem: MoEProblem, sku: SKU) -> dict[str, Any] | None:

@@ -26,6 +26,7 @@ class MoetuneGroupedMMKernel(OwnTritonKernel):
     CUDA build runs), float32/float16 on the CPU under Triton's interpreter (plumbing tests)."""
 
     name = "moetune_grouped_mm"
+    deterministic = True  # top-k rows summed in slot order, no atomics (``_grouped_mm``)
     kernels_module = "moetune.runtime.kernels._grouped_mm"
     vendors = frozenset({Vendor.NVIDIA, Vendor.CPU})  # _grouped_mm is not built for ROCm here
     min_sm = 90

@@ -16,6 +16,7 @@ class ReferenceKernel(BaseKernel):
     """Float32 math on dequantized weights; never a tuning candidate, always the yardstick."""
 
     name = "reference"
+    deterministic = True  # float32, one index_add_ per expert in expert order
     candidate = False
     quants = frozenset(QuantScheme)
 

@@ -17,6 +17,7 @@ class TorchDenseKernel(BaseKernel):
     wins at tiny token counts and few experts. ``chunk_tokens`` bounds its E*M*I memory."""
 
     name = "torch_dense"
+    deterministic = True  # a token's weights scattered to distinct experts, then dense GEMMs
     params = (Param("chunk_tokens", (8, 32, 128, 512)),)
     graph_safe = True  # scatter, bmm and elementwise ops only: nothing reads back to the host
 

@@ -21,6 +21,7 @@ class TorchGroupedKernel(BaseKernel):
     """
 
     name = "torch_grouped"
+    deterministic = True  # a sum over top-k in slot order
     graph_safe = False  # torch.bincount on CUDA reads the largest id back to size its output
     vendors = frozenset({Vendor.CPU, Vendor.NVIDIA})  # _grouped_mm is not built for ROCm here
     min_sm = 90

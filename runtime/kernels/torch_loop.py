@@ -24,6 +24,8 @@ class TorchLoopKernel(BaseKernel):
     """
 
     name = "torch_loop"
+    #: One ``index_add_`` per expert, in expert order, and a token meets an expert at most once.
+    deterministic = True
     quants = frozenset(QuantScheme)  # none, or fp8 dequantized per expert
 
     @classmethod

@@ -22,6 +22,7 @@ class TorchScaledGroupedKernel(BaseKernel):
     """Two CUTLASS launches for all experts; fp8 per-tensor and per-channel weights."""
 
     name = "torch_scaled_grouped"
+    deterministic = True  # a sum over top-k in slot order
     vendors = frozenset({Vendor.NVIDIA})
     min_sm = 90
     requires = ("triton",)  # activation quantization

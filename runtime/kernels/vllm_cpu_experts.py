@@ -32,6 +32,7 @@ class VllmCpuExpertsKernel(BaseKernel):
     """vLLM's C++ CPU MoE (unquantized or block-fp8) on weights prepacked as vLLM does."""
 
     name = "vllm_cpu_experts"
+    deterministic = True  # vLLM's own CPU kernel: served as vLLM serves it
     vendors = frozenset({Vendor.CPU})
     #: vLLM has no CPU MoE kernel for per-tensor or per-channel fp8 (CPUExpertsFp8 runs blocks).
     quants = frozenset({QuantScheme.NONE, QuantScheme.FP8_BLOCK_128X128})

@@ -35,6 +35,9 @@ class VllmTritonKernel(VllmLayerKernel):
     """vLLM's ``TritonExperts`` in its modular kernel, behind its no-DP prepare step."""
 
     name = "vllm_triton"
+    #: vLLM's path sums a token's top-k rows in a fixed order (bitwise the same in 7 engine
+    #: processes on an H100: bench/results/vllm-e2e-rounds-h100-2026-12-07).
+    deterministic = True
     build = staticmethod(layer)
     quants = frozenset({QuantScheme.NONE, QuantScheme.FP8_PER_TENSOR,
                         QuantScheme.FP8_PER_CHANNEL, QuantScheme.FP8_BLOCK_128X128})
