@@ -90,6 +90,29 @@ def test_local_search_climbs_from_the_best_stored_trial(small_problem, cpu_sku, 
     assert min(results.values(), key=lambda r: r.median_us).params == OPTIMUM
 
 
+def test_deterministic_search_never_measures_or_keeps_a_varying_configuration(
+        small_problem, cpu_sku):
+    class VaryingBowl(Bowl):
+        @classmethod
+        def run_to_run(cls, problem, params):
+            return "adds with atomics" if params["c"] == 5 else None
+
+    stored = Result("bowl", OPTIMUM, Status.OK, Timing(100.0, 100.0, 100.0, 1, "stored"))
+    rule = default_registry.get(rule_choice(small_problem, cpu_sku).kernel)
+    measurer = BowlMeasurer()
+    results = search(small_problem, cpu_sku, measurer, [rule, VaryingBowl], trials=8,
+                     refine=200, known={("bowl", params_key(OPTIMUM)): stored},
+                     deterministic=True)
+    assert all(p["c"] != 5 for p in bowl_calls(measurer))
+    pruned = [r for r in results.values() if r.status is Status.PRUNED]
+    assert pruned and all(r.reason == "--deterministic: adds with atomics" for r in pruned)
+    best = min((r for r in results.values() if r.status is Status.OK), key=lambda r: r.median_us)
+    assert best.params == {"a": 4, "b": 2, "c": 4}  # the optimum among those that do not vary
+    free = BowlMeasurer()
+    search(small_problem, cpu_sku, free, [rule, VaryingBowl], trials=8, refine=200)
+    assert OPTIMUM in bowl_calls(free)
+
+
 def test_neighbours_move_one_parameter_one_step():
     class Mixed(Bowl):
         params = (Param("n", (16, 32, 64)), Param("mode", ("atomic", "ordered", "two_pass")))

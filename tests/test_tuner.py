@@ -12,6 +12,7 @@ import torch
 from moetune import db
 from moetune.runtime.kernels.base import BaseKernel, MoEFn, MoEWeights, Param, params_key
 from moetune.runtime.kernels.torch_dense import TorchDenseKernel
+from moetune.runtime.kernels.torch_grouped import TorchGroupedKernel
 from moetune.runtime.dispatcher import row_verdict
 from moetune.runtime.platform import environment
 from moetune.runtime.problem import MoEProblem
@@ -526,6 +527,41 @@ def test_reconfirm_searches_buckets_the_table_has_no_winner_for(tmp_path, cpu_sk
     assert any(r.kernel == "needle" for r in o.decision.results)  # its seed: a search ran
 
 
+def test_deterministic_job_searches_again_where_the_winner_varies(tmp_path, cpu_sku):
+    """``--reconfirm --deterministic``: a bucket whose winner's bits may change between calls
+    is searched among the configurations that do not vary, not re-confirmed."""
+    problem = MoEProblem(8, 64, 96, 8, 2, dtype="float32")
+    registry = _only(rule_choice(problem, cpu_sku).kernel, VaryingNeedleKernel)
+    path = tmp_path / "t.db"
+    run_job([problem], path, cpu_sku, JobOptions(device="cpu", trials=2, refine=0, reps=2),
+            registry=registry)
+    needle = VaryingNeedleKernel.NEEDLE
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE winner SET kernel = 'needle', params = ?", (json.dumps(needle),))
+    opts = JobOptions(device="cpu", trials=2, refine=0, reps=2, reconfirm=True)
+    [o] = run_job([problem], path, cpu_sku, dataclasses.replace(opts, deterministic=True),
+                  registry=registry)
+    assert o.reconfirmed is None and o.decision is not None
+    assert all(r.params != needle for r in o.decision.results if r.status is Status.OK)
+    [again] = run_job([problem], path, cpu_sku, opts, registry=registry)
+    assert again.reconfirmed is not None  # without --deterministic it is re-confirmed
+
+
+def test_deterministic_job_does_not_skip_a_bucket_whose_winner_varies(tmp_path, cpu_sku,
+                                                                     monkeypatch):
+    problem = MoEProblem(8, 64, 96, 8, 2, dtype="float32")
+    path = tmp_path / "t.db"
+    opts = JobOptions(device="cpu", trials=2, refine=0, reps=2, skip_tuned=True)
+    run_job([problem], path, cpu_sku, opts)
+    with sqlite3.connect(path) as con:
+        con.execute("UPDATE winner SET kernel = 'torch_grouped', params = '{}'")
+    monkeypatch.setattr(TorchGroupedKernel, "run_to_run",
+                        classmethod(lambda cls, problem, params: "adds with atomics"))
+    assert run_job([problem], path, cpu_sku, opts)[0].skipped.startswith("already tuned")
+    [o] = run_job([problem], path, cpu_sku, dataclasses.replace(opts, deterministic=True))
+    assert o.skipped is None and o.decision.winner.kernel != "torch_grouped"
+
+
 class NeedleKernel(AnyDeviceKernel):
     """Correct everywhere, 20 ms slower everywhere but at one point of 16 (not its seed)."""
 
@@ -630,3 +666,12 @@ def test_a_reconfirmed_row_keeps_the_variants_it_did_not_time_while_its_winner_s
     assert _earlier_variants([row], cpu_sku, problem, default_registry, other, timed) == ()
     elsewhere = dataclasses.replace(row, bucket=problem.with_tokens(16).to_row())
     assert _earlier_variants([elsewhere], cpu_sku, problem, default_registry, winner, timed) == ()
+
+
+class VaryingNeedleKernel(NeedleKernel):
+    """``needle`` whose fast point adds with atomics."""
+
+    @classmethod
+    def run_to_run(cls, problem, params):
+        return "adds with atomics" if params == cls.NEEDLE else None
+

@@ -53,6 +53,10 @@ class BucketOptions:
     #: searching: adopting a table timed under other torch/Triton/CUDA versions then costs
     #: seconds per bucket. Buckets without one are searched.
     reconfirm: bool = False
+    #: Only candidates whose bits are the same in every call (``BaseKernel.run_to_run``), for
+    #: serving under ``MOETUNE_DETERMINISTIC=1``: a winner of the table that varies is neither
+    #: kept (``skip_tuned``) nor re-confirmed, and its stored times are no candidates.
+    deterministic: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,6 +107,8 @@ def tune_bucket(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: Buc
             return BucketOutcome(problem, None, 0, 0, device=lane.device,
                                  skipped="another job is tuning it")
         done = _current_winner(writer, sku, problem) if opts.skip_tuned else None
+        if done is not None and opts.deterministic and _varies(done, problem, registry):
+            done = None
         if done is not None:
             return BucketOutcome(problem, None, 0, 0, device=lane.device,
                                  skipped=f"already tuned (run {done.run_id}: {done.kernel})")
@@ -131,6 +137,8 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
     rows = writer.winners()
     again = _table_winner(rows, sku, problem, registry,
                           {k.name for k in candidates}) if opts.reconfirm else None
+    if again and opts.deterministic and registry.get(again[1]).run_to_run(problem, again[2]):
+        again = None  # searched instead, among the candidates that do not vary
     known, measured_by = ({}, {}) if again else _known_results(writer, sku, problem, registry)
     neighbours = [] if again else _neighbour_winners(rows, sku, problem, registry)
     start = time.perf_counter()
@@ -148,7 +156,8 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
         else:
             results = search(problem, sku, measurer, candidates, trials=opts.trials,
                              refine=opts.refine, seed=opts.seed, known=known, starts=neighbours,
-                             storage=opts.optuna_storage, compiler=pool, progress=on_trial)
+                             storage=opts.optuna_storage, compiler=pool, progress=on_trial,
+                             deterministic=opts.deterministic)
         confirming = time.perf_counter()
         decision = confirm(problem, sku, measurer, results,
                            reference_us=_quiet_reference(rows, known, sku, problem),
@@ -173,6 +182,12 @@ def _tune_claimed(problem: MoEProblem, writer: db.TableWriter, sku: SKU, opts: B
                           winner, found_by=measured_by.get((w.kernel, params_key(w.params))))
     return BucketOutcome(problem, decision, len(fresh), len(known), seconds=seconds,
                          device=lane.device, reconfirmed=again[0] if again else None)
+
+
+def _varies(row: db.WinnerRecord, problem: MoEProblem, registry: Registry) -> bool:
+    """Whether a table winner's bits may change between calls (params as validated today)."""
+    point = row_point(row, registry)
+    return point is None or bool(registry.get(row.kernel).run_to_run(problem, point[1]))
 
 
 def _quiet_reference(rows: Iterable[db.WinnerRecord], known: dict[Key, Result], sku: SKU,

@@ -162,6 +162,10 @@ def tune(
         "versions or rule, re-time it against the rule here and confirm again instead of "
         "searching (seconds per bucket); buckets without one are searched. Without a shape: "
         "every bucket the table has for this GPU (those of --buckets, if given)")] = False,
+    deterministic: Annotated[bool, typer.Option(
+        "--deterministic", help="Only kernels whose output bits are the same in every call (no "
+        "atomics adding more than two values into one element): a table for serving under "
+        "MOETUNE_DETERMINISTIC=1")] = False,
     gpus: Annotated[int, typer.Option(
         min=1, help="Tune buckets in parallel on this many GPUs of this host (cuda:0 ... "
         "cuda:N-1, the same model), one bucket per GPU at a time")] = 1,
@@ -192,7 +196,7 @@ def tune(
     opts = JobOptions(device=dev, trials=trials, refine=refine, seed=seed, routing=routing, reps=reps,
                       optuna_storage=optuna_storage, isolate=isolate,
                       compile_workers=compile_workers, devices=_gpus(gpus, dev, sku),
-                      skip_tuned=skip_tuned, reconfirm=reconfirm)
+                      skip_tuned=skip_tuned, reconfirm=reconfirm, deterministic=deterministic)
     run_job_with_progress(problems, output, sku, opts)
 
 

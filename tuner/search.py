@@ -47,7 +47,8 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
            starts: Sequence[tuple[str, dict[str, Any]]] = (),
            storage: optuna.storages.BaseStorage | str | None = None,
            compiler: CompilePool | None = None,
-           progress: Callable[[], None] | None = None) -> dict[Key, Result]:
+           progress: Callable[[], None] | None = None,
+           deterministic: bool = False) -> dict[Key, Result]:
     """Measure up to ``trials`` distinct configurations chosen by an Optuna study, then up to
     ``refine`` more by a local search from the best.
 
@@ -57,7 +58,9 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     ``trials`` is smaller; a
     rule's pick outside the search space (a vLLM tuned-file config) is measured after the
     sampler's trials.
-    Configurations pruned before running and repeats do not use up the budget.
+    Configurations pruned before running and repeats do not use up the budget. With
+    ``deterministic``, configurations whose bits may change between calls (``run_to_run``) are
+    pruned, the stored times of earlier runs included.
 
     With a ``compiler``, trials are asked in batches of its worker count (TPE with a constant
     liar, so a batch spreads out); the batch's new JIT candidates are compiled in parallel,
@@ -137,7 +140,11 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
              new: dict[Key, tuple[str, dict[str, Any]]]) -> None:
         """A configuration not tried yet: known from a resumed job, pruned, or to measure."""
         why = kernel.check_params(problem, params)
-        if key in known or why:
+        varies = deterministic and kernel.run_to_run(problem, params)
+        if varies:  # a stored time of it is no candidate either
+            done(key, Result(kernel.name, params, Status.PRUNED,
+                             reason=f"--deterministic: {varies}"))
+        elif key in known or why:
             done(key, known.get(key) or Result(kernel.name, params, Status.PRUNED, reason=why))
         else:
             new[key] = (kernel.name, params)
@@ -171,7 +178,8 @@ def search(problem: MoEProblem, sku: SKU, measurer: CandidateMeasurer, candidate
     # measured again first (gated by today's code, timed on today's machine).
     stored = min((r for key, r in known.items() if key not in results
                   and r.status is Status.OK and r.kernel in by_name
-                  and by_name[r.kernel].check_params(problem, r.params) is None),
+                  and by_name[r.kernel].check_params(problem, r.params) is None
+                  and not (deterministic and by_name[r.kernel].run_to_run(problem, r.params))),
                  key=lambda r: r.median_us, default=None)
     best = fastest()
     if stored is not None and (best is None or stored.median_us < best.median_us):
