@@ -283,6 +283,8 @@ def main() -> None:
     parser.add_argument("--attention", help="attention backend (default TRITON_ATTN on cuda)")
     parser.add_argument("--vllm-dummy-weights", action="store_true", help="vLLM's +-1e-3 "
                         "weights as they are (default: scaled, see scaled())")
+    parser.add_argument("--deterministic", action="store_true", help="lookup processes serve "
+                        "only winners whose bits repeat (MOETUNE_DETERMINISTIC=1)")
     parser.add_argument("--check-only", action="store_true", help="every process takes only "
                         "the greedy check (the token question in a few minutes)")
     parser.add_argument("--no-lookup", action="store_true", help="no lookup process: an off "
@@ -337,7 +339,8 @@ def main() -> None:
                 "cpu_kv_gib": args.cpu_kv_gib, "vocab_size": config["vocab_size"]}
         (work / "spec.json").write_text(json.dumps(spec))
         offline = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
-        lookup = {"MOETUNE_TABLE": str(args.table.resolve())} if args.table else {}
+        lookup = ({"MOETUNE_TABLE": str(args.table.resolve())} if args.table else {}) | (
+            {"MOETUNE_DETERMINISTIC": "1"} if args.deterministic else {})
         for i in range(done, done + args.rounds):
             modes = [("off", {})] + [("lookup", lookup)] * (not args.no_lookup)
             random.Random(i).shuffle(modes)
