@@ -13,7 +13,7 @@ from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.plan import ShapePlan
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.registry import default_registry
-from moetune.serving.settings import Settings
+from moetune.serving.settings import Mode, Settings
 from moetune.tuner import adopt as adopt_table
 from moetune.tuner import report
 from moetune.tuner.cli import (EP, TP, Act, Config, Device, DeviceOpt, DTypeOpt, Experts,
@@ -48,8 +48,9 @@ def adopt(device: DeviceOpt = Device.auto,
 def lookup(
     num_tokens: Annotated[int, typer.Option(min=1, help="Tokens in the MoE call")],
     table: Annotated[Optional[str], typer.Option(
-        help="Table file or database URL to consult (default: this machine's adopted table for "
-        "this device, else the one shipped for it, if any)")] = None,
+        help="Table file or database URL to consult (default: MOETUNE_TABLE as serving reads "
+        "it, else this machine's adopted table for this device, else the one shipped for it, "
+        "if any)")] = None,
     preset: Preset = None, config: Config = None, tp: TP = 1, ep: EP = 1,
     hidden: Hidden = None, intermediate: Inter = None, experts: Experts = None,
     topk: TopK = None, dtype: DTypeOpt = None, quant: Quant = None, activation: Act = None,
@@ -61,8 +62,9 @@ def lookup(
         "one shipped for it) and vLLM's configs installed here; its versions are not checked",
         show_default=False)] = None,
 ) -> None:
-    """What serving runs for one MoE call, and why: the plan vLLM's plugin builds (under the
-    MOETUNE_DETERMINISTIC and VLLM_BATCH_INVARIANT set here)."""
+    """What serving runs for one MoE call, and why: the plan vLLM's plugin builds under the
+    MOETUNE_* and VLLM_BATCH_INVARIANT settings here."""
+    settings = Settings.from_env()
     shape, _ = resolve(ShapeOptions(preset, config, tp, ep, hidden, intermediate, experts, topk,
                                     dtype, quant, activation, router_weight_on_input))
     problem = shape.problem(num_tokens)
@@ -73,10 +75,11 @@ def lookup(
         target = detect_sku(device.value)
         if table is not None:  # one named but unreadable is an error; serving would fall back
             open_table(table).close()
-        dispatcher = Dispatcher.load(table or default_table(target), target)
+        dispatcher = Dispatcher.load(table or settings.table or default_table(target), target)
     plan = ShapePlan.build(dispatcher, problem.shape, WeightLayout.PLAIN,
-                           Settings.from_env().deterministic)
-    out.print(report.lookup_text(problem, dispatcher, plan), highlight=False)
+                           settings.deterministic)
+    off = "MOETUNE_MODE=off" if settings.mode is Mode.OFF else None
+    out.print(report.lookup_text(problem, dispatcher, plan, off), highlight=False)
 
 
 @app.command()

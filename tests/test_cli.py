@@ -114,6 +114,17 @@ def test_lookup_and_doctor_say_vllms_own_kernel_runs_where_the_plugin_hooks_noth
     assert "source:  vLLM" in outside and "vLLM 0.35.0 is outside" in outside
 
 
+def test_lookup_reads_the_table_and_mode_serving_reads(tiny_table, tmp_path, monkeypatch):
+    args = ("lookup", "--preset", "tiny", "--num-tokens", 7, "--device", "cpu")
+    monkeypatch.setenv("MOETUNE_TABLE", str(tiny_table))
+    served = invoke(*args)
+    assert served.exit_code == 0, served.output
+    assert f"table:   {tiny_table}" in served.output and "source:  table" in served.output
+    monkeypatch.setenv("MOETUNE_MODE", "off")
+    off = invoke(*args).output
+    assert "source:  vLLM" in off and "why:     MOETUNE_MODE=off" in off
+
+
 def test_lookup_says_padding_rows_are_routed_first_where_vllm_routes_them_nowhere(
         tmp_path, monkeypatch):
     """Before a moetune kernel, serving sends the slots vLLM's routers leave without an expert

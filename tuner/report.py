@@ -143,13 +143,15 @@ def _phases(seconds: dict[str, float]) -> str:
     return f"; {seconds['total']:.0f}s ({parts})"
 
 
-def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan) -> str:
+def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan,
+                off: str | None = None) -> str:
     """What serving runs for ``problem``: read from the plan vLLM's plugin builds for its shape
     (``ShapePlan.build``), so lookup and the engine cannot disagree; where the plugin hooks no
-    layer (the installed vLLM is not one it serves, or asks for batch invariance), vLLM's."""
+    layer (``off`` says the settings turn it off, or the installed vLLM is not one it serves, or
+    asks for batch invariance), vLLM's."""
     found = versions.installed()
     outside = versions.unsupported(found) if found != "unknown" else None
-    if aside := outside or versions.batch_invariance_aside():
+    if aside := off or outside or versions.batch_invariance_aside():
         return "\n".join([f"problem: {problem.describe()}",
                           f"table:   {dispatcher.status.path or '-'} ({dispatcher.status.reason})",
                           "pick:    vLLM's own kernel (moetune hooks no layer)",
