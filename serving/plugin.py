@@ -66,7 +66,7 @@ def register() -> None:
     state = PluginState(settings)
     state.check_strict()
     vllm = versions.installed()
-    aside = versions.unsupported(vllm) or versions.batch_invariance_aside()
+    aside = versions.aside(vllm)
     if aside:
         _disable(settings.mode is Mode.STRICT, aside, None)
         return

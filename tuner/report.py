@@ -149,9 +149,8 @@ def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan,
     (``ShapePlan.build``), so lookup and the engine cannot disagree; where the plugin hooks no
     layer (``off`` says the settings turn it off, or the installed vLLM is not one it serves, or
     asks for batch invariance), vLLM's."""
-    found = versions.installed()
-    outside = versions.unsupported(found) if found != "unknown" else None
-    if aside := off or outside or versions.batch_invariance_aside():
+    found = versions.installed()  # without vLLM, lookup answers for the table alone
+    if aside := off or (versions.aside(found) if found != "unknown" else None):
         return "\n".join([f"problem: {problem.describe()}",
                           f"table:   {dispatcher.status.path or '-'} ({dispatcher.status.reason})",
                           "pick:    vLLM's own kernel (moetune hooks no layer)",
@@ -232,7 +231,7 @@ def vllm_text() -> str:
     if found == "unknown":
         return (f"not installed; the plugin serves vLLM {versions.supported_list()} "
                 f"(pip install \"vllm{versions.supported_range().replace(' ', '')}\")")
-    why = versions.unsupported(found) or versions.batch_invariance_aside()
+    why = versions.aside(found)
     if why:
         return f"{why}: the plugin disables itself and vLLM serves its own kernels"
     return f"{found}, supported (the plugin serves vLLM {versions.supported_list()})"

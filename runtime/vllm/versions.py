@@ -136,6 +136,13 @@ def batch_invariance_aside() -> str | None:
             "which moetune's per-bucket winners would break")
 
 
+def aside(version: str) -> str | None:
+    """Why the plugin hooks no layer of the installed vLLM ``version`` (a release it does not
+    support, or vLLM asked for batch invariance), or None where it serves: what the plugin,
+    ``lookup`` and ``doctor`` all say."""
+    return unsupported(version) or batch_invariance_aside()
+
+
 def unrouted_rows(facts: VllmFacts) -> bool:
     """Whether MoE calls may carry padding rows routed nowhere (``topk_ids`` -1, weight 0): the
     routers of ``facts``' version mark a padded batch's extra rows so (CUDA graphs pad every
