@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# On the GPU machine, once scripts/vllm_device_unpack.py has printed "ready: vLLM 0.34.0 (MoE path)
-# and FlashInfer ..." (pack here: python scripts/vllm_device_pack.py 0.34.0 --flashinfer --out
-# .vllm-pack, then one part per call there): FlashInfer's import, the JIT build of its CUTLASS fused
-# MoE and its first and second calls (probe), the CUDA tests of flashinfer_cutlass (tests), and its
-# time against vLLM's Triton pick and the shipped table's winner (PRESETS, BUCKETS) from decode to
+# On the GPU machine (pack here: python scripts/vllm_device_pack.py 0.34.0 --flashinfer --out
+# .vllm-pack, then one part per call there, each through scripts/vllm_device_unpack.py PART
+# --early-site $FI_SITE): FlashInfer's import and the JIT build of its CUTLASS fused MoE, which
+# needs only the pack's first parts (in $FI_SITE) and so starts at the first call, then, once
+# vLLM is "ready", its first and second calls (probe), the CUDA tests of flashinfer_cutlass
+# (tests), and its time against vLLM's Triton pick and the shipped table's winner (PRESETS, BUCKETS) from decode to
 # prefill (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
 # starts it in the background with nohup and each call polls it until BUDGET_S is spent; the steps
 # after it wait for a call in which it has ended (they would build it themselves otherwise), and a
@@ -14,6 +15,7 @@
 #   OUT=... COMMIT=<sha> bash scripts/device_flashinfer.sh [probe] [tests] [bench]   (default: all)
 set -u
 SITE=${SITE:-/tmp/vllm-site}
+FI_SITE=${FI_SITE:-/tmp/flashinfer-site}  # first on the path: the FlashInfer the build compiled
 STATE=${STATE:-/tmp/moetune-flashinfer}
 BUDGET_S=${BUDGET_S:-540}
 #: Block fp8 (DeepSeek-V3 TP8) and bf16 (Mixtral, Qwen3-30B: the worst buckets of the H100 table
@@ -21,8 +23,8 @@ BUDGET_S=${BUDGET_S:-540}
 PRESETS=${PRESETS:-deepseek-v3,mixtral-8x7b,qwen3-30b-a3b}
 BUCKETS=${BUCKETS:-1,2,16,128,512,1024,2048,3072,4096}
 mkdir -p "$STATE"
-export PYTHONPATH=$SITE:$HOME/site:${PYTHONPATH:-}
-export PATH=$PATH:$SITE/bin  # FlashInfer's JIT runs ninja; the carried one where the image has none
+export PYTHONPATH=$FI_SITE:$SITE:$HOME/site:${PYTHONPATH:-}
+export PATH=$PATH:$FI_SITE/bin  # FlashInfer's JIT runs ninja; the carried one where the image has none
 start=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
 
@@ -34,6 +36,7 @@ save() {
 # The background build: 0 once build.json is there, 1 while it runs, 2 if it failed.
 poll_build() {
   [ -e "$STATE/build.json" ] && return 0
+  [ -e "$FI_SITE/.ready" ] || { echo "no FlashInfer in $FI_SITE: unpack its parts there"; return 2; }
   local pid
   pid=$(cat "$STATE/build.pid" 2> /dev/null)
   if [ -n "$pid" ] && kill -0 "$pid" 2> /dev/null; then
@@ -69,6 +72,7 @@ for step in $steps; do
       (( built == 2 )) && { save; exit 1; }
       (( built == 1 )) && break
       cat "$STATE/build.json"
+      [ -e "$SITE/.ready" ] || { echo "probe: the calls once vLLM is ready"; break; }
       room 300 || { echo "probe: the calls in the next call"; break; }
       timeout 300 python3 scripts/probe_flashinfer.py > "$STATE/probe.json" 2> "$STATE/probe.err" &&
         touch "$STATE/probe.done"

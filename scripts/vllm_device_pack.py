@@ -34,6 +34,9 @@ cuDNN's frontend, cuda-python, ...) is imported on the way to
 wheel is pure Python plus the CUDA sources its JIT compiles (421 MB), deflated file by file into
 62 MB; ``flashinfer.tar.xz`` holds the same files in 16 MB, and extracting it into the site is
 what installing the wheel does (it has no ``.data``; only its ``flashinfer`` command is left out).
+Its build takes tens of minutes on Hopper, so FlashInfer and the wheels its build imports
+(``FLASHINFER_EARLY``) make up the first parts on their own (listed as ``early`` in the
+manifest): ``vllm_device_unpack.py --early-site`` installs them as soon as they are there.
 
 Each part folder holds its pieces and ``manifest.json`` (every piece of every part with its
 SHA-256), so the unpacker knows when it has all of them.
@@ -104,6 +107,11 @@ DEEPGEMM_INCLUDE = "third_party/deep_gemm/include"
 #: runs from ``PATH``.
 FLASHINFER = "flashinfer-python==0.7.2.post1"
 FLASHINFER_DEPS = ("nvidia-ml-py", "ninja")
+#: The distributions (wheel-file spelling) that FlashInfer's import and JIT build need beside the
+#: image: their wheels and ``flashinfer.tar.xz`` are packed into the first parts, alone, so that
+#: its build (tens of minutes) can start at the first call, before the rest of vLLM arrives.
+FLASHINFER_EARLY = ("apache_tvm_ffi", "packaging", "requests", "urllib3", "idna", "certifi",
+                    "nvidia_ml_py", "ninja")
 PLATFORMS = ("manylinux_2_17_x86_64", "manylinux2014_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_26_x86_64", "manylinux_2_27_x86_64", "manylinux_2_28_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64")
@@ -178,6 +186,25 @@ def split(path: Path, limit: int) -> list[Path]:
     return chunks
 
 
+def is_early(piece: Path) -> bool:
+    """Whether ``piece`` is one of what FlashInfer's build needs (``FLASHINFER_EARLY``)."""
+    if piece.name.startswith("flashinfer.tar.xz"):
+        return True
+    return piece.parent.name == "deps" and piece.name.split("-")[0] in FLASHINFER_EARLY
+
+
+def fill(files: list[Path], limit: int) -> list[list[Path]]:
+    """``files`` in parts of at most ``limit`` bytes: first fit, largest first."""
+    parts: list[list[Path]] = []
+    for f in sorted(files, key=lambda p: -p.stat().st_size):
+        size = f.stat().st_size
+        home = next((p for p in parts if sum(x.stat().st_size for x in p) + size <= limit), None)
+        if home is None:
+            parts.append(home := [])
+        home.append(f)
+    return parts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("version")
@@ -197,18 +224,14 @@ def main() -> None:
         files = [c for p in pieces(args.version, work, args.engine, args.deepgemm,
                                    args.flashinfer)
                  for c in split(p, limit)]
-        parts: list[list[Path]] = []
-        for f in sorted(files, key=lambda p: -p.stat().st_size):  # first fit, largest first
-            size = f.stat().st_size
-            home = next((p for p in parts if sum(x.stat().st_size for x in p) + size <= limit),
-                        None)
-            if home is None:
-                parts.append(home := [])
-            home.append(f)
+        early = [f for f in files if is_early(f.relative_to(work))] if args.flashinfer else []
+        parts = fill(early, limit)
+        parts += fill([f for f in files if f not in early], limit)
         manifest = {"version": args.version, "engine": args.engine,
                     "deepgemm": args.deepgemm, "flashinfer": args.flashinfer,
                     "parts": len(parts),
-                    "pieces": {str(f.relative_to(work)): sha256(f) for f in files}}
+                    "pieces": {str(f.relative_to(work)): sha256(f) for f in files},
+                    "early": [str(f.relative_to(work)) for f in early]}
         shutil.rmtree(args.out, ignore_errors=True)
         total = 0
         for i, part in enumerate(parts, 1):

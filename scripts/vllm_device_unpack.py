@@ -6,8 +6,10 @@ the sources into ``--site``, rebuilds the compiled ops beside them (``vllm/<path
 ``<path>.xz``), extracts the other trees there (DeepGEMM's headers, FlashInfer), and prints
 ``ready``. Then ``PYTHONPATH=<site>`` imports that vLLM (and FlashInfer, whose JIT runs ninja:
 ``<site>/bin`` goes on ``PATH`` where the machine has none). A site
-assembled from another pack (the MoE path only, then ``--engine``) is assembled again. Uses only
-the standard library and pip.
+assembled from another pack (the MoE path only, then ``--engine``) is assembled again. With
+``--early-site``, FlashInfer and the wheels its build imports (the pack's first parts) go into that
+folder as soon as they are staged, so its JIT build can start while the other parts travel. Uses
+only the standard library and pip.
 
     python3 scripts/vllm_device_unpack.py .vllm-pack/p1 --stage /tmp/vllm-stage --site /tmp/vllm-site
 """
@@ -80,11 +82,25 @@ class _Joined:
             f.close()
 
 
+def install_early(stage: Path, site: Path, early: list[str]) -> None:
+    """FlashInfer and the wheels its build imports (the pack's ``early`` pieces) into ``site``,
+    a folder of their own: FlashInfer's JIT build can start there before vLLM is assembled, and
+    reinstalling nothing under it later keeps its sources' times, which ninja compares."""
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--no-compile", "--upgrade", "--target", str(site),
+                    *sorted(str(stage / p) for p in early if p.endswith(".whl"))], check=True)
+    chunks = [stage / p for p in sorted(early) if ".tar.xz" in p]
+    with _Joined(chunks) as f, tarfile.open(fileobj=f, mode="r|") as tar:
+        tar.extractall(site, filter="tar")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("part", type=Path)
     parser.add_argument("--stage", type=Path, default=Path("/tmp/vllm-stage"))
     parser.add_argument("--site", type=Path, default=Path("/tmp/vllm-site"))
+    parser.add_argument("--early-site", type=Path,
+                        help="install the pack's early pieces (FlashInfer) here once they are in")
     args = parser.parse_args()
     manifest = json.loads((args.part / "manifest.json").read_text())
     for name in manifest["pieces"]:
@@ -93,6 +109,14 @@ def main() -> None:
             shutil.copy(args.part / name, args.stage / name)
     missing = [n for n, digest in manifest["pieces"].items()
                if not (args.stage / n).exists() or sha256(args.stage / n) != digest]
+    early = manifest.get("early", [])
+    if args.early_site and early and not set(early) & set(missing):
+        marker = args.early_site / ".ready"
+        digest = hashlib.sha256(json.dumps(early).encode()).hexdigest()
+        if not marker.exists() or marker.read_text() != digest:
+            install_early(args.stage, args.early_site, early)
+            marker.write_text(digest)
+        print(f"early: FlashInfer in {args.early_site}")
     if missing:
         print(f"waiting for {len(missing)} of {len(manifest['pieces'])} pieces "
               f"({', '.join(sorted(missing)[:4])}...)")

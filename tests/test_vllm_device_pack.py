@@ -78,9 +78,9 @@ def _pack(tmp: Path, out: Path, engine: bool, monkeypatch: pytest.MonkeyPatch,
 
 
 def _unpack(part: Path, tmp: Path, monkeypatch: pytest.MonkeyPatch,
-            capsys: pytest.CaptureFixture[str]) -> str:
+            capsys: pytest.CaptureFixture[str], *extra: str) -> str:
     monkeypatch.setattr(sys, "argv", ["unpack", str(part), "--stage", str(tmp / "stage"),
-                                      "--site", str(tmp / "site")])
+                                      "--site", str(tmp / "site"), *extra])
     unpack.main()
     return capsys.readouterr().out
 
@@ -161,7 +161,7 @@ def test_flashinfer_is_extracted_into_the_site_beside_its_two_wheels(
         dest.mkdir(parents=True, exist_ok=True)
         for requirement in what:
             asked.append(requirement)
-            name = re.split(r"[=<>~\[]", requirement)[0].replace("-", "_")
+            name = re.split(r"[=<>~\[]", requirement)[0].replace("-", "_").lower()
             if name in ("vllm", "flashinfer_python"):
                 files = package if name != "vllm" else {
                     f"vllm/{op}": os.urandom(1000) for op in pack.OPS}
@@ -184,11 +184,33 @@ def test_flashinfer_is_extracted_into_the_site_beside_its_two_wheels(
     parts = sorted((tmp_path / "pack").iterdir())
     pieces = {p.name for part in parts for p in part.rglob("*") if p.is_file()}
     assert "flashinfer.tar.xz.001" in pieces and not any("flashinfer_python" in p for p in pieces)
-    for part in parts:
-        done = _unpack(part, tmp_path, monkeypatch, capsys)
+    # FlashInfer and its build's wheels come first, alone: the early site is there once
+    # they are, before vLLM (the last parts) is.
+    first = [{p.name for p in part.rglob("*") if p.is_file()} - {"manifest.json"}
+             for part in parts]
+    early = [i for i, names in enumerate(first)
+             if any(n.startswith("flashinfer.tar.xz") or n.startswith(("ninja", "requests"))
+                    for n in names)]
+    assert early == list(range(len(early))) and len(early) < len(parts)
+    assert not any(n.startswith(("vllm", "src", "a_")) for i in early for n in first[i])
+    site = tmp_path / "early"
+    for i, part in enumerate(parts):
+        done = _unpack(part, tmp_path, monkeypatch, capsys, "--early-site", str(site))
+        assert ("early: FlashInfer" in done) == (i >= early[-1])
+        assert (site / "flashinfer/data/csrc/moe.cu").exists() == (i >= early[-1])
+        if i == early[-1]:
+            (install,) = no_pip
+            assert {Path(a).name.split("-")[0] for a in install if a.endswith(".whl")} == {
+                "apache_tvm_ffi", "packaging", "requests", "urllib3", "idna", "certifi",
+                "nvidia_ml_py", "ninja"}
+            (site / "flashinfer/data/csrc/moe.cu").touch()  # a later part must not reinstall it
+            built = (site / "flashinfer/data/csrc/moe.cu").stat().st_mtime_ns
+    assert (site / "flashinfer/data/csrc/moe.cu").stat().st_mtime_ns == built
     assert "ready: vLLM 0.34.0 (MoE path) and FlashInfer" in done
     for path, data in package.items():
         assert (tmp_path / "site" / path).read_bytes() == data
-    (install,) = no_pip
+        assert (site / path).read_bytes() == data
+    install = no_pip[-1]
+    assert len(no_pip) == 2  # the early site's wheels once, then vLLM's
     wheels = {Path(a).name.split("-")[0] for a in install if a.endswith(".whl")}
     assert {"nvidia_ml_py", "ninja"} <= wheels and "flashinfer_python" not in wheels
