@@ -2,16 +2,17 @@
 # On the GPU machine (pack here: python scripts/vllm_device_pack.py 0.34.0 --flashinfer --out
 # .vllm-pack, then one part per call there, each through scripts/vllm_device_unpack.py PART
 # --early-site $FI_SITE): FlashInfer's import and the JIT build of its CUTLASS fused MoE, which
-# needs only the pack's first parts (in $FI_SITE) and so starts at the first call, then, once
-# vLLM is "ready", its first and second calls (probe), the CUDA tests of flashinfer_cutlass
-# (tests), and its time against vLLM's Triton pick and the shipped table's winner (PRESETS, BUCKETS) from decode to
-# prefill (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
-# starts it in the background with nohup and each call polls it until BUDGET_S is spent; the steps
-# after it wait for a call in which it has ended (they would build it themselves otherwise), and a
-# step that no longer fits in the call's 10 minutes waits for the next one. State
-# lives in $STATE, the JIT's objects and module in ~/.cache/flashinfer (ninja keeps what it built
-# if the build is started again), both kept while the machine is; a call skips finished steps, the
-# benchmark resumes from its JSON, and every call copies what there is into $OUT.
+# needs only the pack's first parts (in $FI_SITE) and so starts at the first call, then, once vLLM
+# is "ready", its first and second calls (probe), the CUDA tests of flashinfer_cutlass (tests), and
+# its time against vLLM's Triton pick and the shipped table's winner (PRESETS, BUCKETS) from decode
+# to prefill (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
+# starts it in the background with nohup (at nice 5: GPU tests run beside it come first) and each
+# call polls it until BUDGET_S is spent; the steps after it wait for a call in which it has ended
+# (they would build it themselves otherwise), and a step that no longer fits in the call's 10
+# minutes waits for the next one. State lives in $STATE, the JIT's objects and module in
+# ~/.cache/flashinfer (ninja keeps what it built if the build is started again), both kept while the
+# machine is; a call skips finished steps, the benchmark resumes from its JSON, and every call
+# copies what there is into $OUT.
 #   OUT=... COMMIT=<sha> bash scripts/device_flashinfer.sh [probe] [tests] [bench]   (default: all)
 set -u
 SITE=${SITE:-/tmp/vllm-site}
@@ -43,7 +44,7 @@ poll_build() {
     echo "the build is running (since $(cat "$STATE/build.started")): polling it"
   else
     date -u +%H:%M:%S > "$STATE/build.started"
-    nohup bash -c 'python3 scripts/probe_flashinfer.py --build > "$0/build.part" \
+    nohup bash -c 'nice -n 5 python3 scripts/probe_flashinfer.py --build > "$0/build.part" \
       2>> "$0/build.err" && mv "$0/build.part" "$0/build.json"' "$STATE" > /dev/null 2>&1 &
     pid=$!
     echo "$pid" > "$STATE/build.pid"
