@@ -29,15 +29,46 @@ export PATH=$PATH:$FI_SITE/bin  # FlashInfer's JIT runs ninja; the carried one w
 start=$(date +%s)
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . > /dev/null || exit 1
 
+# What comes back is a few files: the state as one tar, and the built module's chunks.
 save() {
-  cp -r "$STATE"/. "$OUT"/ 2> /dev/null
-  find "$OUT" -name '*.done' -delete
+  tar -czf "$OUT/flashinfer.tgz" -C "$STATE" --exclude=aot --exclude='*.done' . 2> /dev/null
+  cp "$STATE"/aot/* "$OUT"/ 2> /dev/null
+}
+
+# The built module as FlashInfer's own AOT artifact would hold it, xz chunks of at most 15 MiB in
+# $STATE/aot: put back under $FI_SITE/flashinfer/data/aot/<module>/ on a fresh machine (AOT=that
+# folder), FlashInfer loads it instead of building again.
+keep_module() {
+  [ -e "$STATE/aot/SHA256SUMS" ] && return
+  local so
+  so=$(find "$HOME"/.cache/flashinfer -path '*cached_ops/fused_moe_9*/fused_moe_9*.so' | head -1)
+  [ -n "$so" ] || return
+  mkdir -p "$STATE/aot"
+  xz -T0 -6 -c "$so" | split -b 15M -d - "$STATE/aot/$(basename "$so").xz."
+  (cd "$STATE/aot" && sha256sum "$so" *.xz.* > SHA256SUMS)
+  echo "the module kept: $(du -h "$so" | cut -f1), $(du -ch "$STATE"/aot/*.xz.* | tail -1 | cut -f1) as xz"
+}
+
+# A module kept by an earlier machine (AOT=folder of keep_module's files) put where FlashInfer
+# looks for AOT artifacts, after its checksum.
+restore_module() {
+  [ -n "${AOT:-}" ] && [ -e "$AOT/SHA256SUMS" ] || return
+  local name dest
+  name=$(ls "$AOT" | grep -m1 '\.so\.xz\.' | sed 's/\.so\.xz\..*//')
+  dest="$FI_SITE/flashinfer/data/aot/$name/$name.so"
+  [ -e "$dest" ] && return
+  mkdir -p "$(dirname "$dest")"
+  cat "$AOT/$name".so.xz.* | xz -d > "$dest"
+  echo "$(head -1 "$AOT/SHA256SUMS" | cut -d' ' -f1)  $dest" | sha256sum -c --quiet ||
+    { rm -f "$dest"; echo "the kept module's checksum differs: building instead"; return; }
+  echo "FlashInfer's $name loaded from $AOT (no build)"
 }
 
 # The background build: 0 once build.json is there, 1 while it runs, 2 if it failed.
 poll_build() {
-  [ -e "$STATE/build.json" ] && return 0
+  [ -e "$STATE/build.json" ] && { keep_module; return 0; }
   [ -e "$FI_SITE/.ready" ] || { echo "no FlashInfer in $FI_SITE: unpack its parts there"; return 2; }
+  restore_module
   local pid
   pid=$(cat "$STATE/build.pid" 2> /dev/null)
   if [ -n "$pid" ] && kill -0 "$pid" 2> /dev/null; then
@@ -51,7 +82,7 @@ poll_build() {
     echo "the build started in the background"
   fi
   while kill -0 "$pid" 2> /dev/null && (( $(date +%s) < start + BUDGET_S )); do sleep 10; done
-  [ -e "$STATE/build.json" ] && return 0
+  [ -e "$STATE/build.json" ] && { keep_module; return 0; }
   if kill -0 "$pid" 2> /dev/null; then
     echo "still building ($(find "$HOME"/.cache/flashinfer -path '*cached_ops/fused_moe_*' \
       -name '*.o' 2> /dev/null | wc -l) of 248 objects): call again"
