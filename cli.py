@@ -1,18 +1,21 @@
 """The ``moetune`` command line: the tuner's commands (``tuner/cli.py``) plus the serving ones,
-``lookup``, ``doctor`` and ``adopt``, which answer for (and prepare) what the plugin serves."""
+``show``, ``lookup``, ``doctor`` and ``adopt``, which answer for (and prepare) what the plugin
+serves."""
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Optional
 
 import typer
 
-from moetune.db import open_table
+from moetune.db import open_table, read_winners
 from moetune.runtime.dispatcher import Dispatcher, default_table, table_sku
 from moetune.runtime.kernels.base import WeightLayout
 from moetune.runtime.plan import ShapePlan
 from moetune.runtime.platform import detect_sku
 from moetune.runtime.registry import default_registry
+from moetune.runtime.vllm import versions
 from moetune.serving.settings import Mode, Settings
 from moetune.tuner import adopt as adopt_table
 from moetune.tuner import report
@@ -41,6 +44,33 @@ def adopt(device: DeviceOpt = Device.auto,
               highlight=False)
 
 
+def _aside(settings: Settings) -> str | None:
+    """Why the plugin hooks no layer here (``serving/plugin.py register``), or None: the one
+    answer of ``show`` and ``lookup``. Without vLLM they answer for the table alone."""
+    if settings.mode is Mode.OFF:
+        return "MOETUNE_MODE=off"
+    found = versions.installed()
+    return versions.aside(found) if found != "unknown" else None
+
+
+@app.command()
+@errors_to_exit
+def show(table: Annotated[str, typer.Argument(help="Table file or database URL")],
+         as_json: Annotated[bool, typer.Option("--json", help="One JSON object per "
+                                               "winner row")] = False,
+         device: DeviceOpt = Device.auto) -> None:
+    """Print a table's winners: bucket, kernel, params, time, speedup, error, and whether
+    serving on this device would use each row under the MOETUNE_* and VLLM_BATCH_INVARIANT
+    settings here (and why not: stale baseline, other SKU, MOETUNE_DETERMINISTIC=1, ...)."""
+    settings = Settings.from_env()
+    snapshot = read_winners(table)
+    sku = detect_sku(device.value)
+    aside = _aside(settings)
+    if as_json:
+        for row in report.winner_dicts(snapshot, sku, aside, settings.deterministic):
+            typer.echo(json.dumps(row, sort_keys=True))
+        return
+    out.print(report.winners_table(snapshot, sku, aside, settings.deterministic))
 
 
 @app.command()
@@ -78,8 +108,7 @@ def lookup(
         dispatcher = Dispatcher.load(table or settings.table or default_table(target), target)
     plan = ShapePlan.build(dispatcher, problem.shape, WeightLayout.PLAIN,
                            settings.deterministic)
-    off = "MOETUNE_MODE=off" if settings.mode is Mode.OFF else None
-    out.print(report.lookup_text(problem, dispatcher, plan, off), highlight=False)
+    out.print(report.lookup_text(problem, dispatcher, plan, _aside(settings)), highlight=False)
 
 
 @app.command()

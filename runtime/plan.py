@@ -17,8 +17,8 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from moetune.runtime.kernels.base import WeightLayout, params_key
-from moetune.runtime.problem import Shape, bucket_of, nearest
+from moetune.runtime.kernels.base import BaseKernel, WeightLayout, params_key
+from moetune.runtime.problem import MoEProblem, Shape, bucket_of, nearest
 from moetune.runtime.registry import Registry
 
 
@@ -68,6 +68,17 @@ class Choice:
 _MISS = Choice(Outcome.MISS, "shape not in table")
 
 
+def nondeterministic(kernel: type[BaseKernel], problem: MoEProblem,
+                     params: dict[str, Any]) -> str | None:
+    """Why serving under ``MOETUNE_DETERMINISTIC=1`` refuses ``kernel`` with ``params`` at
+    ``problem`` (its bits may change between calls: ``BaseKernel.run_to_run``), or None: the
+    one check and wording of ``ShapePlan.build`` and ``moetune show``. The rule's pick is
+    vLLM's own kernel, served whatever this says."""
+    varies = kernel.run_to_run(problem, params)
+    return (f"MOETUNE_DETERMINISTIC=1, and the winner's bits may change between calls: {varies}"
+            if varies else None)
+
+
 class ShapePlan:
     """The per-bucket choices of one (shape, layout). Thread safety: ``lookup`` fills a memo
     (a benign race: two threads compute the same value)."""
@@ -102,11 +113,10 @@ class ShapePlan:
                 choices[m] = Choice(Outcome.HIT, "the winner is vLLM's own kernel")
             else:
                 kernel = dispatcher.registry.get(selection.kernel)
-                varies = deterministic and kernel.run_to_run(shape.problem(m), selection.params)
+                varies = (nondeterministic(kernel, shape.problem(m), selection.params)
+                          if deterministic else None)
                 if varies:
-                    choices[m] = Choice(Outcome.FALLBACK, "MOETUNE_DETERMINISTIC=1, and the "
-                                        f"winner's bits may change between calls: {varies}",
-                                        refused="nondeterministic")
+                    choices[m] = Choice(Outcome.FALLBACK, varies, refused="nondeterministic")
                     continue
                 engine = kernel.in_engine(shape.problem(m), selection.params) is not None
                 reason = selection.reason + (

@@ -69,6 +69,36 @@ def test_show_prints_grid_and_json(tiny_table):
     assert "over vLLM" in grid.output and (rule.vllm or "-") in grid.output
 
 
+def test_show_says_no_row_is_served_where_the_plugin_hooks_nothing(tiny_table, monkeypatch):
+    """MOETUNE_MODE=off, a batch-invariant vLLM or a release the plugin does not serve: vLLM's
+    own kernel runs for every row, and show says why, as lookup does."""
+    from moetune.runtime.vllm import versions
+
+    def shown() -> list[dict]:
+        result = invoke("show", tiny_table, "--json", "--device", "cpu")
+        assert result.exit_code == 0, result.output
+        return [json.loads(line) for line in result.output.strip().splitlines()]
+
+    for name in ("MOETUNE_MODE", "MOETUNE_DETERMINISTIC", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    assert all(r["served"] for r in shown())  # tuned here, against the rule here
+    assert "no:" not in invoke("show", tiny_table, "--device", "cpu").output
+    monkeypatch.setenv("MOETUNE_MODE", "off")
+    assert {(r["served"], r["served_reason"]) for r in shown()} == {
+        (False, "moetune hooks no layer: MOETUNE_MODE=off")}
+    grid = invoke("show", tiny_table, "--device", "cpu").output
+    assert grid.count("no: moetune hooks no layer: MOETUNE_MODE=off") == 3 and "yes" not in grid
+    monkeypatch.delenv("MOETUNE_MODE")
+    with monkeypatch.context() as m:
+        m.setattr(versions, "installed", lambda: "0.35.0")  # a release it does not serve
+        assert all(not r["served"] and "vLLM 0.35.0 is outside" in r["served_reason"]
+                   for r in shown())
+    pytest.importorskip("vllm", reason="vLLM is not installed (bash scripts/setup.sh --vllm)")
+    monkeypatch.setenv("VLLM_BATCH_INVARIANT", "1")
+    assert all(not r["served"] and "VLLM_BATCH_INVARIANT=1" in r["served_reason"]
+               for r in shown())
+
+
 def test_lookup_tuned_and_untuned_shapes(tiny_table):
     tuned = invoke("lookup", "--table", tiny_table, "--preset", "tiny", "--num-tokens", 7,
                    "--device", "cpu")

@@ -9,6 +9,8 @@ top-8 model between two engine runs (bench/results/vllm-e2e-rounds-h100-2026-12-
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
@@ -112,6 +114,33 @@ def test_lookup_says_what_deterministic_serving_runs(top8_table, monkeypatch):
     assert "MOETUNE_DETERMINISTIC=1" in only.output
     ordered = CliRunner().invoke(app, [*args[:6], "128", *args[7:]])
     assert "repeats: the same bits in every call" in ordered.output
+
+
+def test_show_marks_served_what_deterministic_serving_runs(top8_table, tmp_path, monkeypatch):
+    """The same winners in a table for this CPU: under MOETUNE_DETERMINISTIC=1 show says the
+    varying one is not served, with the reason the plan gives, and the ordered one is."""
+    path, shape = top8_table
+    plan = ShapePlan.build(Dispatcher.load(path, H200, check_environment=False), shape,
+                           WeightLayout.PLAIN, deterministic=True)
+    here = tmp_path / "cpu.db"
+    write_winners(here, shape, [64], "moetune_grouped", grouped(shape.problem(64), "atomic_out"))
+    write_winners(here, shape, [128], "moetune_grouped", grouped(shape.problem(128), "sum"))
+
+    def served() -> dict[int, tuple[bool, str]]:
+        result = CliRunner().invoke(app, ["show", str(here), "--json", "--device", "cpu"])
+        assert result.exit_code == 0, result.output
+        rows = [json.loads(line) for line in result.output.strip().splitlines()]
+        return {r["num_tokens"]: (r["served"], r["served_reason"]) for r in rows}
+
+    for name in ("MOETUNE_MODE", "MOETUNE_DETERMINISTIC", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    assert {m: ok for m, (ok, _) in served().items()} == {64: True, 128: True}
+    monkeypatch.setenv("MOETUNE_DETERMINISTIC", "1")
+    only = served()
+    assert only[64] == (False, plan.choices[64].reason) and "REDUCE=atomic_out" in only[64][1]
+    assert only[128][0]
+    grid = CliRunner().invoke(app, ["show", str(here), "--device", "cpu"]).output
+    assert "no: MOETUNE_DETERMINISTIC=1" in grid and "yes" in grid
 
 
 def test_the_setting_is_0_or_1():

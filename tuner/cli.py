@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import enum
 import functools
-import json
 import logging
 import os
 import sys
@@ -272,23 +271,6 @@ def _gpus(count: int, device: str, sku: SKU) -> tuple[str, ...]:
         raise TuningError(f"--gpus {count}: {', '.join(others)} are not {sku.label()}; a table "
                           "is for one GPU model")
     return devices
-
-
-@app.command()
-@errors_to_exit
-def show(table: Annotated[str, typer.Argument(help="Table file or database URL")],
-         as_json: Annotated[bool, typer.Option("--json", help="One JSON object per "
-                                               "winner row")] = False,
-         device: DeviceOpt = Device.auto) -> None:
-    """Print a table's winners: bucket, kernel, params, time, speedup, error, and whether
-    serving on this device would use each row (and why not: stale baseline, other SKU, ...)."""
-    snapshot = db.read_winners(table)
-    sku = detect_sku(device.value)
-    if as_json:
-        for row in report.winner_dicts(snapshot, sku):
-            typer.echo(json.dumps(row, sort_keys=True))
-        return
-    out.print(report.winners_table(snapshot, sku))
 
 
 @app.command("export")

@@ -11,11 +11,11 @@ from rich.table import Table
 from moetune import db
 from moetune.runtime.dispatcher import Dispatcher, default_table, row_verdict, shipped_table
 from moetune.runtime.kernels.base import BaseKernel
-from moetune.runtime.plan import Outcome, ShapePlan
+from moetune.runtime.plan import Outcome, ShapePlan, nondeterministic
 from moetune.runtime.platform import SKU, Vendor, environment
 from moetune.runtime.problem import DType, MoEProblem
-from moetune.runtime.registry import Registry
-from moetune.runtime.rules import rule_choice
+from moetune.runtime.registry import Registry, default_registry
+from moetune.runtime.rules import is_rule_pick, rule_choice
 from moetune.runtime.vllm import versions
 from moetune.runtime.vllm.cpu import fp8_experts_class
 from moetune.tuner.adopt import outdated
@@ -23,15 +23,17 @@ from moetune.tuner.bucket import BucketOutcome
 from moetune.tuner.timing import interval_text
 
 
-def winner_dicts(snapshot: db.TableSnapshot, sku: SKU) -> list[dict[str, Any]]:
+def winner_dicts(snapshot: db.TableSnapshot, sku: SKU, aside: str | None = None,
+                 deterministic: bool = False) -> list[dict[str, Any]]:
     """One flat dict per winner row (``moetune show --json``), with the vLLM whose pick its
     speedup is over (``baseline_vllm``), and whether serving on ``sku`` here, under these
-    versions, uses it (``served``) and why (``served_reason``); unreadable rows have
+    versions and the settings ``aside`` and ``deterministic`` (``_served``; the defaults: none
+    in force), uses it (``served``) and why (``served_reason``); unreadable rows have
     ``bad_row``."""
     rows = []
     here = environment()
     for r in snapshot.rows:
-        verdict = row_verdict(r, sku, environment=here)
+        served, why = _served(r, sku, here, aside, deterministic)
         rows.append({**r.bucket, "sku": r.sku["name"], "arch": r.sku["arch"],
                      "kernel": r.kernel, "params": r.params, "median_us": r.median_us,
                      "p20_us": r.p20_us, "p80_us": r.p80_us, "error": r.error,
@@ -39,12 +41,15 @@ def winner_dicts(snapshot: db.TableSnapshot, sku: SKU) -> list[dict[str, Any]]:
                      "baseline_us": r.baseline_us, "speedup": r.speedup,
                      "baseline_vllm": _tuned_vllm(r), "run_id": r.run_id, "source": r.source,
                      "baselines": [b.to_json() for b in r.baselines],
-                     "served": verdict.selection is not None, "served_reason": verdict.reason})
+                     "served": served, "served_reason": why})
     return rows + [{"bad_row": bad, "served": False, "served_reason": bad}
                    for bad in snapshot.bad_rows]
 
 
-def winners_table(snapshot: db.TableSnapshot, sku: SKU) -> Table:
+def winners_table(snapshot: db.TableSnapshot, sku: SKU, aside: str | None = None,
+                  deterministic: bool = False) -> Table:
+    """The winners as a grid, each marked served on ``sku`` here or why not, under the settings
+    ``aside`` and ``deterministic`` (``_served``; the defaults: none in force)."""
     skus = ", ".join(f"{s['vendor']}:{s['name']} ({s['arch']})" for s in snapshot.skus)
     table = Table(title=f"{snapshot.path} — {skus or 'empty'}; served here ({sku.label()})?")
     for col in ("shape", "tokens", "winner", "params", "time us", "baseline", "base us",
@@ -53,16 +58,38 @@ def winners_table(snapshot: db.TableSnapshot, sku: SKU) -> Table:
                                                          "speedup", "rel err") else "left")
     here = environment()
     for r in sorted(snapshot.rows, key=lambda r: (_shape_label(r.bucket), r.bucket["num_tokens"])):
-        verdict = row_verdict(r, sku, environment=here)
-        served = "yes" if verdict.selection is not None else f"[red]no[/red]: {verdict.reason}"
+        served, why = _served(r, sku, here, aside, deterministic)
         table.add_row(_shape_label(r.bucket), str(r.bucket["num_tokens"]), r.kernel,
                       json.dumps(r.params, sort_keys=True) if r.params else "-",
                       _num(r.median_us, ".1f"), r.baseline_kernel, _num(r.baseline_us, ".1f"),
                       _num(r.speedup, ".2f", "x"), _tuned_vllm(r) or "-", _num(r.error, ".1e"),
-                      served)
+                      "yes" if served else f"[red]no[/red]: {why}")
     for bad in snapshot.bad_rows:
         table.add_row("[red]rejected[/red]", "", bad, "", "", "", "", "", "", "", "[red]no[/red]")
     return table
+
+
+def _served(row: db.WinnerRecord, sku: SKU, here: dict[str, Any], aside: str | None,
+               deterministic: bool) -> tuple[bool, str]:
+    """Whether serving on ``sku`` under the versions ``here`` uses ``row``, and why (not): the
+    row's own verdict (``row_verdict``), unless the plugin hooks no layer (``aside`` says why:
+    ``MOETUNE_MODE=off``, or the installed vLLM is not one it serves or asks for batch
+    invariance) or, with ``deterministic`` (``MOETUNE_DETERMINISTIC=1``), the winner's bits
+    may change between calls and it is not the rule's pick, as ``ShapePlan.build`` refuses
+    it."""
+    if aside:
+        return False, f"moetune hooks no layer: {aside}"
+    verdict = row_verdict(row, sku, environment=here)
+    chosen = verdict.selection
+    if chosen is None:
+        return False, verdict.reason
+    if deterministic and verdict.problem is not None and not is_rule_pick(
+            chosen.kernel, chosen.params, verdict.problem, sku):
+        varies = nondeterministic(default_registry.get(chosen.kernel), verdict.problem,
+                                  chosen.params)
+        if varies:
+            return False, varies
+    return True, verdict.reason
 
 
 def _tuned_vllm(row: db.WinnerRecord) -> str | None:
@@ -144,13 +171,12 @@ def _phases(seconds: dict[str, float]) -> str:
 
 
 def lookup_text(problem: MoEProblem, dispatcher: Dispatcher, plan: ShapePlan,
-                off: str | None = None) -> str:
+                aside: str | None = None) -> str:
     """What serving runs for ``problem``: read from the plan vLLM's plugin builds for its shape
     (``ShapePlan.build``), so lookup and the engine cannot disagree; where the plugin hooks no
-    layer (``off`` says the settings turn it off, or the installed vLLM is not one it serves, or
-    asks for batch invariance), vLLM's."""
-    found = versions.installed()  # without vLLM, lookup answers for the table alone
-    if aside := off or (versions.aside(found) if found != "unknown" else None):
+    layer (``aside`` says why: the settings turn it off, or the installed vLLM is not one it
+    serves, or asks for batch invariance), vLLM's."""
+    if aside:
         return "\n".join([f"problem: {problem.describe()}",
                           f"table:   {dispatcher.status.path or '-'} ({dispatcher.status.reason})",
                           "pick:    vLLM's own kernel (moetune hooks no layer)",
