@@ -35,33 +35,12 @@ save() {
   cp "$STATE"/aot/* "$OUT"/ 2> /dev/null
 }
 
-# The built module as FlashInfer's own AOT artifact would hold it, xz chunks of at most 15 MiB in
-# $STATE/aot: put back under $FI_SITE/flashinfer/data/aot/<module>/ on a fresh machine (AOT=that
-# folder), FlashInfer loads it instead of building again.
-keep_module() {
-  [ -e "$STATE/aot/SHA256SUMS" ] && return
-  local so
-  so=$(find "$HOME"/.cache/flashinfer -path '*cached_ops/fused_moe_9*/fused_moe_9*.so' | head -1)
-  [ -n "$so" ] || return
-  mkdir -p "$STATE/aot"
-  xz -T0 -6 -c "$so" | split -b 15M -d - "$STATE/aot/$(basename "$so").xz."
-  (cd "$STATE/aot" && sha256sum "$so" *.xz.* > SHA256SUMS)
-  echo "the module kept: $(du -h "$so" | cut -f1), $(du -ch "$STATE"/aot/*.xz.* | tail -1 | cut -f1) as xz"
-}
-
-# A module kept by an earlier machine (AOT=folder of keep_module's files) put where FlashInfer
-# looks for AOT artifacts, after its checksum.
+# The built module comes back as chunks (scripts/flashinfer_module.sh keep); AOT=a folder of
+# them (from this script or scripts/flashinfer_aot_build.sh) puts it where FlashInfer loads it
+# instead of building.
+keep_module() { bash scripts/flashinfer_module.sh keep "$STATE/aot"; }
 restore_module() {
-  [ -n "${AOT:-}" ] && [ -e "$AOT/SHA256SUMS" ] || return
-  local name dest
-  name=$(ls "$AOT" | grep -m1 '\.so\.xz\.' | sed 's/\.so\.xz\..*//')
-  dest="$FI_SITE/flashinfer/data/aot/$name/$name.so"
-  [ -e "$dest" ] && return
-  mkdir -p "$(dirname "$dest")"
-  cat "$AOT/$name".so.xz.* | xz -d > "$dest"
-  echo "$(head -1 "$AOT/SHA256SUMS" | cut -d' ' -f1)  $dest" | sha256sum -c --quiet ||
-    { rm -f "$dest"; echo "the kept module's checksum differs: building instead"; return; }
-  echo "FlashInfer's $name loaded from $AOT (no build)"
+  [ -n "${AOT:-}" ] && bash scripts/flashinfer_module.sh restore "$AOT" "$FI_SITE"
 }
 
 # The background build: 0 once build.json is there, 1 while it runs, 2 if it failed.
