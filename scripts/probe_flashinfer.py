@@ -24,11 +24,15 @@ import torch
 
 
 def build() -> dict[str, Any]:
-    """Import time, then the time to build (or load) the module ``cutlass_fused_moe`` calls."""
+    """Import time, then the time to build (or load) the module ``cutlass_fused_moe`` calls;
+    ``prebuilt`` says whether it was there as an AOT artifact (``scripts/flashinfer_module.sh
+    restore``), so ``build_s`` is a load, not a build."""
     start = time.perf_counter()
     from flashinfer.fused_moe.core import get_cutlass_fused_moe_module
+    from flashinfer.jit import env
 
-    out: dict[str, Any] = {"import_s": time.perf_counter() - start}
+    out: dict[str, Any] = {"import_s": time.perf_counter() - start,
+                           "prebuilt": any(env.FLASHINFER_AOT_DIR.glob("fused_moe_*/*.so"))}
     major, minor = torch.cuda.get_device_capability()
     out["module_arch"] = f"{major * 10 + minor}"  # as cutlass_fused_moe names it
     start = time.perf_counter()
