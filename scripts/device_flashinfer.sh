@@ -38,7 +38,7 @@ save() {
 # The built module comes back as chunks (scripts/flashinfer_module.sh keep); AOT=a folder of
 # them (from this script or scripts/flashinfer_aot_build.sh) puts it where FlashInfer loads it
 # instead of building.
-keep_module() { bash scripts/flashinfer_module.sh keep "$STATE/aot"; }
+keep_module() { [ -n "${AOT:-}" ] || bash scripts/flashinfer_module.sh keep "$STATE/aot"; }
 restore_module() {
   [ -n "${AOT:-}" ] && bash scripts/flashinfer_module.sh restore "$AOT" "$FI_SITE"
 }
