@@ -11,6 +11,11 @@ units. ``--per-kind 0`` compiles them all (the build itself, without the link).
 
     python scripts/flashinfer_build_cost.py --cuda-home DIR [--per-kind 1] [--jobs 1] \\
         [--json cost.jsonl] > cost.md
+    python scripts/flashinfer_build_cost.py --ninja-log WS/.../fused_moe_90/.ninja_log > cost.md
+
+``--ninja-log`` reads a whole build instead (``scripts/flashinfer_aot_build.sh``'s, resumed or
+not): each unit's seconds from ninja's log, which are CPU seconds where the build ran no more jobs
+than cores and nothing else competed (it runs at nice 19: on a busy machine they are more).
 
 ``DIR`` holds ``bin/nvcc`` and the CUDA headers; pip's ``nvidia-cuda-nvcc``, ``-crt``,
 ``-runtime``, ``-cccl`` and ``nvidia-nvvm`` wheels (13.0) with the headers of ``nvidia-cublas``
@@ -64,6 +69,22 @@ def compile_one(unit: dict) -> dict:
             "s": time.perf_counter() - start}
 
 
+def from_ninja_log(log: Path) -> list[dict]:
+    """Each unit of a build as ninja logged it (start and end in ms, then the object): the last
+    entry of an object counts, and its file is the source's name (``x.generated.cuda.o`` ->
+    ``x.generated.cu``), so it groups by kind as the compiled units do."""
+    latest: dict[str, float] = {}
+    for line in log.read_text().splitlines()[1:]:
+        start, end, _, out, _ = line.split("\t")
+        if out.endswith(".o"):
+            latest[out] = (int(end) - int(start)) / 1000
+    units = []
+    for out, s in latest.items():
+        source = re.sub(r"(\.cuda)?\.o$", ".cu", Path(out).name)
+        units.append({"file": source, "kind": kind(source), "s": s})
+    return units
+
+
 def report(all_units: list[dict], timed: list[dict], jobs: int, cores: int) -> str:
     """Per kind: units, compiled, seconds each; the projected CPU time of the whole build."""
     count: dict[str, int] = defaultdict(int)
@@ -83,7 +104,8 @@ def report(all_units: list[dict], timed: list[dict], jobs: int, cores: int) -> s
 
 - host: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; Python \
 {platform.python_version()}
-- units: {len(all_units)}; compiled here: {len(timed)}, {jobs} at a time
+- units: {len(all_units)}; compiled here: {len(timed)}, \
+{f"{jobs} at a time" if jobs else "times from the build's ninja log"}
 - command: `{" ".join(["python", *sys.argv])}`
 
 | kind | units | seconds per unit compiled here | projected CPU minutes |
@@ -97,7 +119,9 @@ that compile as fast as these, the link not counted.
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cuda-home", type=Path, required=True)
+    parser.add_argument("--cuda-home", type=Path)
+    parser.add_argument("--ninja-log", type=Path, help="a whole build's .ninja_log, read instead "
+                        "of compiling")
     parser.add_argument("--per-kind", type=int, default=1, help="units compiled per kind (0: all)")
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--json", type=Path, help="each compiled unit's time, a JSON line as it "
@@ -105,6 +129,12 @@ def main() -> None:
     parser.add_argument("--cores", type=int, default=16, help="the build host's cores, for the "
                         "projection (the GPU machine's: 16)")
     args = parser.parse_args()
+    if args.ninja_log:
+        logged = from_ninja_log(args.ninja_log)
+        print(report(logged, logged, jobs=0, cores=args.cores))
+        return
+    if args.cuda_home is None:
+        parser.error("--cuda-home or --ninja-log")
     with tempfile.TemporaryDirectory() as work:
         all_units = units(args.cuda_home.resolve(), Path(work))
         chosen, taken = [], defaultdict(int)

@@ -28,3 +28,23 @@ def test_the_projection_counts_every_unit_of_a_kind_at_its_mean():
     assert "| a.cu | 1 | 60 | 1.0 |" in text
     # 10 x 150 s + 60 s = 1560 s: 0.43 CPU-hours, 3 minutes on 10 cores.
     assert "Projected: 0.43 CPU-hours; at best 3 minutes on 10 cores" in text
+
+
+def test_a_whole_build_reads_from_its_ninja_log(tmp_path):
+    """A resumed build logs an object again: its last entry counts; the link is no unit."""
+    gen = "cutlass_kernel_file_gemm_sm90_M128_group{}.generated.cuda.o"
+    entries = [(0, 90, gen.format(1)), (0, 50, gen.format(2)), (0, 120, gen.format(2)),
+               (10, 160, "moe_gemm_moe_gemm_kernels_bf16_bf16.cuda.o"),
+               (160, 170, "fused_moe_90.so")]
+    (tmp_path / ".ninja_log").write_text("# ninja log v7\n" + "".join(
+        f"{start * 1000}\t{end * 1000}\t1\t/ws/fused_moe_90/{out}\th\n"
+        for start, end, out in entries))
+    units = cost.from_ninja_log(tmp_path / ".ninja_log")
+    assert sorted((u["kind"], u["s"]) for u in units) == [
+        ("cutlass_kernel_file_gemm_sm90_M128", 90.0), ("cutlass_kernel_file_gemm_sm90_M128", 120.0),
+        ("moe_gemm_moe_gemm_kernels_bf16_bf16.cu", 150.0)]
+    text = cost.report(units, units, jobs=0, cores=2)
+    assert "times from the build's ninja log" in text
+    assert "| cutlass_kernel_file_gemm_sm90_M128 | 2 | 90, 120 | 3.5 |" in text
+    # 90 + 120 + 150 = 360 s: 0.10 CPU-hours, at best 3 minutes on 2 cores.
+    assert "Projected: 0.10 CPU-hours; at best 3 minutes on 2 cores" in text
