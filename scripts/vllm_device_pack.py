@@ -32,11 +32,12 @@ beyond ``DEPS`` (``FLASHINFER_DEPS``): none of its other requirements (the CUTLA
 cuDNN's frontend, cuda-python, ...) is imported on the way to
 ``flashinfer.fused_moe.cutlass_fused_moe`` (bench/results/flashinfer-closure-2026-12-07). Its
 wheel is pure Python plus the CUDA sources its JIT compiles (421 MB), deflated file by file into
-62 MB; ``flashinfer.tar.xz`` holds the same files in 16 MB, and extracting it into the site is
+62 MB; ``flashinfer.tar.xz`` holds the same files in 16 MB, and extracting it into a folder is
 what installing the wheel does (it has no ``.data``; only its ``flashinfer`` command is left out).
 Its build takes tens of minutes on Hopper, so FlashInfer and the wheels its build imports
 (``FLASHINFER_EARLY``) make up the first parts on their own (listed as ``early`` in the
-manifest): ``vllm_device_unpack.py --early-site`` installs them as soon as they are there.
+manifest): ``vllm_device_unpack.py --early-site`` installs them, in a folder apart from vLLM's
+site, as soon as they are there.
 
 Each part folder holds its pieces and ``manifest.json`` (every piece of every part with its
 SHA-256), so the unpacker knows when it has all of them.

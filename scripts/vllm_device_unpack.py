@@ -8,8 +8,10 @@ the sources into ``--site``, rebuilds the compiled ops beside them (``vllm/<path
 ``<site>/bin`` goes on ``PATH`` where the machine has none). A site
 assembled from another pack (the MoE path only, then ``--engine``) is assembled again. With
 ``--early-site``, FlashInfer and the wheels its build imports (the pack's first parts) go into that
-folder as soon as they are staged, so its JIT build can start while the other parts travel. Uses
-only the standard library and pip.
+folder as soon as they are staged, so its JIT build can start while the other parts travel; such
+a pack's FlashInfer is never put into ``--site``, so vLLM run from that site alone picks its
+kernels as it does without FlashInfer, and only what puts the early site on its path sees it.
+Uses only the standard library and pip.
 
     python3 scripts/vllm_device_unpack.py .vllm-pack/p1 --stage /tmp/vllm-stage --site /tmp/vllm-site
 """
@@ -42,9 +44,10 @@ def assemble(stage: Path, site: Path, manifest: dict) -> None:
     with tarfile.open(stage / "src.tar.xz") as tar:
         tar.extractall(site, filter="tar")
     # Other trees (DeepGEMM's headers, FlashInfer), their paths from the site, in chunks where
-    # they were split.
+    # they were split; not the early ones (FlashInfer), which live in their own site only.
+    early = {p.split(".tar.xz")[0] for p in manifest.get("early", []) if ".tar.xz" in p}
     for tree in sorted({p.split(".tar.xz")[0] for p in manifest["pieces"] if ".tar.xz" in p}
-                       - {"src"}):
+                       - {"src"} - early):
         chunks = [stage / p for p in sorted(manifest["pieces"]) if p.split(".tar.xz")[0] == tree]
         with _Joined(chunks) as f, tarfile.open(fileobj=f, mode="r|") as tar:
             tar.extractall(site, filter="tar")
@@ -141,7 +144,9 @@ def main() -> None:
     what = "with its offline engine" if manifest.get("engine") else "(MoE path)"
     if manifest.get("deepgemm"):
         what += " and DeepGEMM"
-    if manifest.get("flashinfer"):
+    if manifest.get("early"):
+        what += " (FlashInfer apart, in the --early-site folder)"
+    elif manifest.get("flashinfer"):
         what += f" and FlashInfer (PATH={args.site / 'bin'}:$PATH for its JIT's ninja)"
     print(f"ready: vLLM {manifest['version']} {what} in {args.site}")
 

@@ -146,12 +146,13 @@ def test_deepgemm_library_and_headers_land_in_the_vendored_package(
 
 
 
-def test_flashinfer_is_extracted_into_the_site_beside_its_two_wheels(
+def test_flashinfer_comes_first_into_a_site_of_its_own(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
         no_pip: list) -> None:
     """``--flashinfer`` through the real ``pieces``, with pip's downloads and vLLM's sources
     stood in: FlashInfer's wheel travels as an xz tar of its files (split here, as it exceeds a
-    part) and lands in the site as pip would install it; ``FLASHINFER_DEPS`` go to pip."""
+    part) in the first parts with the wheels its build imports, and lands, as pip would install
+    it, in the early site alone; ``FLASHINFER_DEPS`` go to pip."""
     asked: list[str] = []
     source = os.urandom(5000)  # incompressible: 2.5 parts
     package = {"flashinfer/__init__.py": b"", "flashinfer/data/csrc/moe.cu": source,
@@ -206,9 +207,9 @@ def test_flashinfer_is_extracted_into_the_site_beside_its_two_wheels(
             (site / "flashinfer/data/csrc/moe.cu").touch()  # a later part must not reinstall it
             built = (site / "flashinfer/data/csrc/moe.cu").stat().st_mtime_ns
     assert (site / "flashinfer/data/csrc/moe.cu").stat().st_mtime_ns == built
-    assert "ready: vLLM 0.34.0 (MoE path) and FlashInfer" in done
-    for path, data in package.items():
-        assert (tmp_path / "site" / path).read_bytes() == data
+    assert "ready: vLLM 0.34.0 (MoE path) (FlashInfer apart" in done
+    for path, data in package.items():  # only in its own site: vLLM's alone does not see it
+        assert not (tmp_path / "site" / path).exists()
         assert (site / path).read_bytes() == data
     install = no_pip[-1]
     assert len(no_pip) == 2  # the early site's wheels once, then vLLM's
