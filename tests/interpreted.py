@@ -129,3 +129,21 @@ def check_fp8_scales(name: str, params: dict, problem: MoEProblem, cpu_sku) -> N
     unscaled = dataclasses.replace(weights, w2_scale=torch.ones_like(weights.w2_scale))
     wrong = kernel.prepare(problem, params, unscaled)(*batch.args())
     assert relative_error(wrong, ref) > 10 * TOLERANCE["float16"]
+
+
+def check_tuner_gates(name: str, problem: MoEProblem, cpu_sku, params: dict | None = None):
+    """The tuner offers ``name`` for ``problem`` here, its seed is valid, and its measurement
+    (``params``, else the seed) passes the gate against the reference; returns the registry of
+    the reference, the torch loop and ``name`` it used."""
+    from moetune.runtime.registry import Registry
+    from moetune.tuner.measure import Measurer, Status
+
+    registry = Registry({n: p for n, p in default_registry.paths().items()
+                         if n in ("reference", "torch_loop", name)})
+    assert name in [k.name for k in registry.candidates(problem, cpu_sku)]
+    kernel = registry.get(name)
+    seed = kernel.seed_params(problem, cpu_sku)
+    assert seed is not None and kernel.validate(seed) == seed
+    result = Measurer(problem, "cpu", registry, reps=2).measure(name, params or seed)
+    assert result.status is Status.OK and result.error <= 1e-5, result
+    return registry

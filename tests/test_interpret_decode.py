@@ -13,8 +13,8 @@ from moetune.runtime.problem import MoEProblem, QuantScheme
 from moetune.runtime.registry import default_registry
 from moetune.tuner.gate import relative_error
 from tests.interpreted import (DECODE, DECODE_SHAPES, H100, TOLERANCE, case_id, check_fp8_scales,
-                               check_own_triton_devices, checks_pass_in_a_fresh_process,
-                               needs_triton, outer_run, prepared)
+                               check_own_triton_devices, check_tuner_gates,
+                               checks_pass_in_a_fresh_process, needs_triton, outer_run, prepared)
 
 pytestmark = needs_triton
 
@@ -84,19 +84,9 @@ def test_decode_kernel_applies_fp8_scales_interpreted(problem, override, cpu_sku
 
 @decode_interpreted
 def test_tuner_offers_and_gates_the_decode_kernel_interpreted(cpu_sku):
-    from moetune.runtime.registry import Registry
-    from moetune.tuner.measure import Measurer, Status
-
     problem = MoEProblem(1, 64, 32, 4, 2, dtype="float32")
-    registry = Registry({n: p for n, p in default_registry.paths().items()
-                         if n in ("reference", "torch_loop", "moetune_decode")})
-    assert "moetune_decode" in [k.name for k in registry.candidates(problem, cpu_sku)]
-    kernel = registry.get("moetune_decode")
-    seed = kernel.seed_params(problem, cpu_sku)
-    assert seed is not None and kernel.validate(seed) == seed
-    measurer = Measurer(problem, "cpu", registry, reps=2)
-    result = measurer.measure("moetune_decode", dict(DECODE, g1_BLOCK_N=32, g2_BLOCK_N=64))
-    assert result.status is Status.OK and result.error <= 1e-5, result
+    registry = check_tuner_gates("moetune_decode", problem, cpu_sku,
+                                 dict(DECODE, g1_BLOCK_N=32, g2_BLOCK_N=64))
     assert not registry.get("moetune_decode").supports(problem.with_tokens(129), cpu_sku)[0]
 
 

@@ -15,7 +15,8 @@ from moetune.runtime.registry import default_registry
 from moetune.tuner.gate import relative_error
 from moetune.tuner.inputs import make_batch, make_weights
 from tests.interpreted import (DECODE_SHAPES, H100, ONE, TOLERANCE, case_id, check_fp8_scales,
-                               checks_pass_in_a_fresh_process, needs_triton, outer_run)
+                               check_tuner_gates, checks_pass_in_a_fresh_process, needs_triton,
+                               outer_run)
 
 pytestmark = needs_triton
 
@@ -96,18 +97,7 @@ def test_one_launch_kernel_applies_fp8_scales_interpreted(problem, override, cpu
 
 @one_interpreted
 def test_tuner_offers_and_gates_the_one_launch_kernel_interpreted(cpu_sku):
-    from moetune.runtime.registry import Registry
-    from moetune.tuner.measure import Measurer, Status
-
-    problem = MoEProblem(2, 64, 32, 4, 2, dtype="float32")
-    registry = Registry({n: p for n, p in default_registry.paths().items()
-                         if n in ("reference", "torch_loop", "moetune_decode_one")})
-    assert "moetune_decode_one" in [k.name for k in registry.candidates(problem, cpu_sku)]
-    kernel = registry.get("moetune_decode_one")
-    seed = kernel.seed_params(problem, cpu_sku)
-    assert seed is not None and kernel.validate(seed) == seed
-    result = Measurer(problem, "cpu", registry, reps=2).measure("moetune_decode_one", seed)
-    assert result.status is Status.OK and result.error <= 1e-5, result
+    check_tuner_gates("moetune_decode_one", MoEProblem(2, 64, 32, 4, 2, dtype="float32"), cpu_sku)
 
 
 @outer_run

@@ -70,7 +70,7 @@ def winners_table(snapshot: db.TableSnapshot, sku: SKU, aside: str | None = None
 
 
 def _served(row: db.WinnerRecord, sku: SKU, here: dict[str, Any], aside: str | None,
-               deterministic: bool) -> tuple[bool, str]:
+            deterministic: bool) -> tuple[bool, str]:
     """Whether serving on ``sku`` under the versions ``here`` uses ``row``, and why (not): the
     row's own verdict (``row_verdict``), unless the plugin hooks no layer (``aside`` says why:
     ``MOETUNE_MODE=off``, or the installed vLLM is not one it serves or asks for batch
