@@ -18,8 +18,9 @@ not): each unit's seconds from ninja's log, which are CPU seconds where the buil
 than cores and nothing else competed (it runs at nice 19: on a busy machine they are more).
 
 ``DIR`` holds ``bin/nvcc`` and the CUDA headers; pip's ``nvidia-cuda-nvcc``, ``-crt``,
-``-runtime``, ``-cccl`` and ``nvidia-nvvm`` wheels (13.0) with the headers of ``nvidia-cublas``
-and ``nvidia-cuda-nvrtc`` unpacked into one ``nvidia/cu13`` are enough. FlashInfer must import
+``-runtime``, ``-cccl`` and ``nvidia-nvvm`` wheels (13.0) with the headers of ``nvidia-cublas``,
+``nvidia-cuda-nvrtc`` and ``nvidia-curand`` (TensorRT-LLM's reduce utilities include
+``curand_kernel.h``) unpacked into one ``nvidia/cu13`` are enough. FlashInfer must import
 (``PYTHONPATH``: the package and apache-tvm-ffi). Times are one machine's: compare them only with
 others taken on the same machine.
 """
