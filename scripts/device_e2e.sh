@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # On the GPU machine, once scripts/vllm_device_unpack.py has assembled vLLM's offline engine in
 # /tmp/vllm-site (docs/vllm.md): one round of scripts/bench_vllm_e2e.py (an off and a lookup
-# process) started in the background, then polled until it ends
+# process) started in the background in a session of its own (setsid: the machine ends a call's
+# other processes when it returns), then polled until it ends
 # or BUDGET_S is spent. A round outlives the 10-minute limit of a call: a later call polls the
 # running one instead of starting another, and a call after it ended starts the next round
 # (--resume). Every call packs the report, the raw results and the engines' logs into
@@ -20,7 +21,7 @@ deadline=$(( $(date +%s) + BUDGET_S ))
 if pgrep -f "bench_vllm_e2e.py" > /dev/null; then
   echo "a round is running: polling it"
 else
-  nohup python3 scripts/bench_vllm_e2e.py "$@" --rounds 1 --resume --commit "${COMMIT:-unknown}" \
+  setsid nohup python3 scripts/bench_vllm_e2e.py "$@" --rounds 1 --resume --commit "${COMMIT:-unknown}" \
     --json "$STATE/e2e.jsonl" --out "$STATE/e2e.md" >> "$STATE/e2e.out" 2>&1 &
 fi
 while pgrep -f "bench_vllm_e2e.py" > /dev/null && (( $(date +%s) < deadline )); do sleep 10; done

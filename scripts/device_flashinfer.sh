@@ -6,7 +6,8 @@
 # is "ready", its first and second calls (probe), the CUDA tests of flashinfer_cutlass (tests), and
 # its time against vLLM's Triton pick and the shipped table's winner (PRESETS, BUCKETS) from decode
 # to prefill (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
-# starts it in the background with nohup (at nice 5: GPU tests run beside it come first) and each
+# starts it in the background in a session of its own (setsid: the machine ends a call's other
+# processes when it returns) at nice 5 (GPU tests run beside it come first), and each
 # call polls it until BUDGET_S is spent; the steps after it wait for a call in which it has ended
 # (they would build it themselves otherwise), and a step that no longer fits in the call's 10
 # minutes waits for the next one. State lives in $STATE, the JIT's objects and module in
@@ -54,7 +55,7 @@ poll_build() {
     echo "the build is running (since $(cat "$STATE/build.started")): polling it"
   else
     date -u +%H:%M:%S > "$STATE/build.started"
-    nohup bash -c 'nice -n 5 python3 scripts/probe_flashinfer.py --build > "$0/build.part" \
+    setsid nohup bash -c 'nice -n 5 python3 scripts/probe_flashinfer.py --build > "$0/build.part" \
       2>> "$0/build.err" && mv "$0/build.part" "$0/build.json"' "$STATE" > /dev/null 2>&1 &
     pid=$!
     echo "$pid" > "$STATE/build.pid"
