@@ -17,5 +17,5 @@ start=$(date +%s)
 timeout 420 python3 -m pytest -q -p no:cacheprovider -n 4 --junitxml=$OUT/cuda-tests.xml tests/test_kernels_cuda.py tests/test_kernel_contract.py tests/test_vllm_triton.py tests/test_vllm_triton_tuned.py > $OUT/cuda-tests.txt 2>&1
 echo "pytest exit $? after $(( $(date +%s) - start )) s" | tee -a $OUT/cuda-tests.txt
 tail -3 $OUT/cuda-tests.txt
-{ moetune doctor --device cuda --preset qwen3-30b-a3b; echo; moetune lookup --device cuda --preset qwen3-30b-a3b --num-tokens 64; echo; moetune lookup --device cuda --preset deepseek-v3 --tp 8 --num-tokens 1; } > $OUT/doctor-lookup.txt 2>&1
+{ moetune doctor --device cuda --preset qwen3-30b-a3b; echo; moetune lookup --device cuda --preset qwen3-30b-a3b --num-tokens 64; echo; moetune lookup --device cuda --preset deepseek-v3 --num-tokens 1; } > $OUT/doctor-lookup.txt 2>&1
 echo "cli exit $?"; head -5 $OUT/doctor-lookup.txt
