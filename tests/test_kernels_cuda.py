@@ -621,3 +621,43 @@ def test_one_launch_kernel_replays_in_a_graph_bit_for_bit(shape, gpu_sku):
             torch.cuda.synchronize()
             assert relative_error(replayed, reference(*static)) <= tolerance(problem), params
             assert torch.equal(replayed, eager), (params, seed)
+
+
+#: Kernels that say two calls give the same bits (``run_to_run`` is None), each where a run could
+#: reorder a sum: top-8 rows meeting many partials in a fixed order, moetune's atomics at two
+#: addends (``0 + a + b`` is ``0 + b + a``), block fp8's scaled partials. Serving under
+#: ``MOETUNE_DETERMINISTIC=1`` and ``tune --deterministic`` trust these verdicts.
+TOP8 = MoEProblem(512, 384, 256, 64, 8)
+REPEATS = [
+    ("moetune_grouped", TOP8, {"REDUCE": "sum"}),
+    ("moetune_grouped", dataclasses.replace(TOP8, quant="fp8_block_128x128"), {"REDUCE": "sum"}),
+    ("moetune_grouped", MoEProblem(512, 384, 256, 8, 2), {"REDUCE": "atomic_out"}),
+    ("moetune_decode", MoEProblem(4, 384, 256, 64, 8), {"REDUCE": "ordered", "SPLIT_K": 2,
+                                                          "g2_BLOCK_K": 128}),
+    ("moetune_decode_one", MoEProblem(4, 384, 256, 64, 8), {}),
+    ("moetune_grouped_mm", TOP8, {}),
+    ("aiter_triton", TOP8, {}),
+    ("vllm_triton", TOP8, {}),
+    ("torch_grouped", TOP8, {}),
+]
+
+
+@cuda
+@needs_gpu
+@pytest.mark.parametrize("name,problem,override", REPEATS,
+                         ids=[f"{n}-{p.describe()}-{o}".replace(" ", "-") for n, p, o in REPEATS])
+def test_a_kernel_that_says_it_repeats_gives_the_same_bits_in_every_call(
+        name, problem, override, gpu_sku):
+    kernel = default_registry.get(name)
+    ok, why = kernel.supports(problem, gpu_sku)
+    if not ok:
+        pytest.skip(why)
+    params = kernel.validate({**_params(name, problem), **override})
+    assert kernel.check_params(problem, params) is None
+    assert kernel.run_to_run(problem, params) is None
+    weights = make_weights(problem, "cuda", seed=1)
+    batch = make_batch(problem, "cuda", seed=2, routing=Routing.ZIPF).args()
+    fn = kernel.prepare(problem, params, weights)
+    first = fn(*batch).clone()
+    for _ in range(20):
+        assert torch.equal(fn(*batch), first)
