@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # On the GPU machine (pack here: python scripts/vllm_device_pack.py 0.34.0 --flashinfer --out
 # .vllm-pack, then one part per call there, each through scripts/vllm_device_unpack.py PART
-# --early-site $FI_SITE): FlashInfer's import and the JIT build of its CUTLASS fused MoE, which
-# needs only the pack's first parts (in $FI_SITE) and so starts at the first call, then, once vLLM
-# is "ready", its first and second calls (probe), the CUDA tests of flashinfer_cutlass (tests), and
-# its time against vLLM's Triton pick and the shipped table's winner (PRESETS, BUCKETS) from decode
-# to prefill (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
+# --early-site $FI_SITE): FlashInfer's import and the JIT build of its CUTLASS fused MoE (or the
+# load of a kept one, AOT=), its first and second calls (probe) and the CUDA tests of
+# flashinfer_cutlass (tests), which need only the pack's first parts (FlashInfer imports from
+# $FI_SITE alone) and so run from the first calls, then, once vLLM is "ready", its time against
+# vLLM's Triton pick and the shipped table's winner (PRESETS, BUCKETS) from decode to prefill
+# (bench). The build (248 compile units for sm_90) may outlast a 10-minute call, so probe
 # starts it in the background in a session of its own (setsid: the machine ends a call's other
 # processes when it returns) at nice 5 (GPU tests run beside it come first), and each
 # call polls it until BUDGET_S is spent; the steps after it wait for a call in which it has ended
@@ -84,7 +85,6 @@ for step in $steps; do
       (( built == 2 )) && { save; exit 1; }
       (( built == 1 )) && break
       cat "$STATE/build.json"
-      [ -e "$SITE/.ready" ] || { echo "probe: the calls once vLLM is ready"; break; }
       room 300 || { echo "probe: the calls in the next call"; break; }
       timeout 300 python3 scripts/probe_flashinfer.py > "$STATE/probe.json" 2> "$STATE/probe.err" &&
         touch "$STATE/probe.done"
@@ -98,6 +98,7 @@ for step in $steps; do
       tail -15 "$STATE/tests.txt" ;;
     bench)
       [ -e "$STATE/build.json" ] || { echo "bench: run probe first (the build)"; break; }
+      [ -e "$SITE/.ready" ] || { echo "bench: once vLLM is ready (its pick is the baseline)"; break; }
       room 540 || { echo "bench: in the next call"; break; }
       timeout 540 python3 scripts/bench_vllm_baseline.py --presets "$PRESETS" --buckets "$BUCKETS" \
         --also flashinfer_cutlass --rounds 3 --budget-s 420 --commit "${COMMIT:-unknown}" \
