@@ -18,6 +18,7 @@ from moetune.runtime.registry import default_registry
 from moetune.runtime.vllm import versions
 from moetune.serving.settings import Mode, Settings
 from moetune.tuner import adopt as adopt_table
+from moetune.tuner import cli as tuner_cli
 from moetune.tuner import report
 from moetune.tuner.cli import (EP, TP, Act, Config, Device, DeviceOpt, DTypeOpt, Experts,
                                Hidden, Inter, OnInput, Preset, Quant, TopK, app, device_of,
@@ -51,6 +52,16 @@ def _aside(settings: Settings) -> str | None:
         return "MOETUNE_MODE=off"
     found = versions.installed()
     return versions.aside(found) if found != "unknown" else None
+
+
+def _serving_settings() -> tuple[str | None, bool]:
+    """``_aside`` and ``MOETUNE_DETERMINISTIC`` as serving reads them: what ``tune`` and
+    ``adopt`` mark served in their closing table, as ``show`` does."""
+    settings = Settings.from_env()
+    return _aside(settings), settings.deterministic
+
+
+tuner_cli.serving_settings = _serving_settings
 
 
 @app.command()

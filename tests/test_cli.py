@@ -57,6 +57,22 @@ def test_tune_reconfirm_without_a_shape_re_times_every_bucket_of_the_table(tiny_
     assert not (tmp_path / "no.db").exists()
 
 
+def test_tunes_closing_table_marks_served_what_serving_here_runs(tiny_table, tmp_path,
+                                                                 monkeypatch):
+    """The table `tune` (and `adopt`) prints at its end answers "served here" under the
+    serving settings here, as `show` does."""
+    path = tmp_path / "t.db"
+    path.write_bytes(tiny_table.read_bytes())
+    for name in ("MOETUNE_MODE", "MOETUNE_DETERMINISTIC", "VLLM_BATCH_INVARIANT"):
+        monkeypatch.delenv(name, raising=False)
+    args = ("tune", "--reconfirm", "--device", "cpu", "--output", path, "--reps", 2)
+    assert "no: moetune hooks no layer" not in invoke(*args).output
+    monkeypatch.setenv("MOETUNE_MODE", "off")
+    result = invoke(*args)
+    assert result.exit_code == 0, result.output
+    assert result.output.count("no: moetune hooks no layer: MOETUNE_MODE=off") == 3
+
+
 def test_show_prints_grid_and_json(tiny_table):
     grid = invoke("show", tiny_table)
     assert grid.exit_code == 0 and "H128 I256 E8" in grid.output and "speedup" in grid.output

@@ -199,6 +199,12 @@ def tune(
     run_job_with_progress(problems, output, sku, opts)
 
 
+#: What serving here leaves aside and whether it takes deterministic winners only, for the
+#: closing table's "served here": the tuner knows no serving settings, so the command line above
+#: it (``moetune.cli``) puts its reader here; alone, the tuner answers as if none were in force.
+serving_settings: Callable[[], tuple[str | None, bool]] = lambda: (None, False)
+
+
 def run_job_with_progress(problems: list[MoEProblem], output: str, sku: SKU,
                           opts: JobOptions) -> None:
     """Run the job with a progress bar and a line per bucket, then print the table.
@@ -227,7 +233,7 @@ def run_job_with_progress(problems: list[MoEProblem], output: str, sku: SKU,
 
         progress.update(task, description=problems[0].describe() if problems else "")
         outcomes = run_job(problems, output, sku, opts, on_bucket=on_bucket, on_trial=on_trial)
-    out.print(report.winners_table(db.read_winners(output), sku))
+    out.print(report.winners_table(db.read_winners(output), sku, *serving_settings()))
     failed = [o for o in outcomes if o.error]
     if failed:
         raise TuningError(f"{len(failed)} of {len(outcomes)} buckets failed (see above)")
