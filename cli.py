@@ -55,8 +55,8 @@ def _aside(settings: Settings) -> str | None:
 
 
 def _serving_settings() -> tuple[str | None, bool]:
-    """``_aside`` and ``MOETUNE_DETERMINISTIC`` as serving reads them: what ``tune`` and
-    ``adopt`` mark served in their closing table, as ``show`` does."""
+    """``_aside`` and ``MOETUNE_DETERMINISTIC`` as serving reads them: what ``show`` and the
+    closing table of ``tune`` and ``adopt`` mark served."""
     settings = Settings.from_env()
     return _aside(settings), settings.deterministic
 
@@ -73,15 +73,13 @@ def show(table: Annotated[str, typer.Argument(help="Table file or database URL")
     """Print a table's winners: bucket, kernel, params, time, speedup, error, and whether
     serving on this device would use each row under the MOETUNE_* and VLLM_BATCH_INVARIANT
     settings here (and why not: stale baseline, other SKU, MOETUNE_DETERMINISTIC=1, ...)."""
-    settings = Settings.from_env()
     snapshot = read_winners(table)
     sku = detect_sku(device.value)
-    aside = _aside(settings)
     if as_json:
-        for row in report.winner_dicts(snapshot, sku, aside, settings.deterministic):
+        for row in report.winner_dicts(snapshot, sku, *_serving_settings()):
             typer.echo(json.dumps(row, sort_keys=True))
         return
-    out.print(report.winners_table(snapshot, sku, aside, settings.deterministic))
+    out.print(report.winners_table(snapshot, sku, *_serving_settings()))
 
 
 @app.command()

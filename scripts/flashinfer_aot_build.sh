@@ -9,9 +9,9 @@
 #   CUDA_HOME=DIR [WS=DIR] [JOBS=2] [PYTHON=python3] bash scripts/flashinfer_aot_build.sh OUTDIR
 # CUDA_HOME holds bin/nvcc (13.0), the CUDA headers and lib64/ with libcudart.so, libnvrtc.so and
 # stubs/libcuda.so for the link (scripts/flashinfer_build_cost.py says which pip wheels make it,
-# nvidia-curand's headers among them;
-# libnvrtc is nvidia-cuda-nvrtc's, and a stub with the soname libcuda.so.1 stands for the driver,
-# which the GPU machine has); flashinfer and apache-tvm-ffi import (PYTHONPATH) and ninja runs.
+# nvidia-curand's headers among them; libnvrtc is nvidia-cuda-nvrtc's, and a stub with the soname
+# libcuda.so.1 stands for the driver, which the GPU machine has); flashinfer and apache-tvm-ffi
+# import (PYTHONPATH) and ninja runs.
 set -eu
 out=${1:?OUTDIR}
 export FLASHINFER_WORKSPACE_BASE=${WS:-/tmp/flashinfer-aot} FLASHINFER_CUDA_ARCH_LIST=9.0a
