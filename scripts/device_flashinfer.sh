@@ -41,6 +41,9 @@ save() {
 # them (from this script or scripts/flashinfer_aot_build.sh) puts it where FlashInfer loads it
 # instead of building.
 keep_module() { [ -n "${AOT:-}" ] || bash scripts/flashinfer_module.sh keep "$STATE/aot"; }
+# HANDOFF=a folder of scripts/flashinfer_handoff.sh pack: the build begun on a machine without a
+# GPU, finished here on all cores (the objects come from $(handoff_ws)), then kept as above.
+handoff_ws() { [ -n "${HANDOFF:-}" ] && sed -n 's/^ws=//p' "$HANDOFF/paths"; }
 restore_module() {
   [ -n "${AOT:-}" ] && bash scripts/flashinfer_module.sh restore "$AOT" "$FI_SITE"
 }
@@ -56,8 +59,10 @@ poll_build() {
     echo "the build is running (since $(cat "$STATE/build.started")): polling it"
   else
     date -u +%H:%M:%S > "$STATE/build.started"
-    setsid nohup bash -c 'nice -n 5 python3 scripts/probe_flashinfer.py --build > "$0/build.part" \
-      2>> "$0/build.err" && mv "$0/build.part" "$0/build.json"' "$STATE" > /dev/null 2>&1 &
+    setsid nohup bash -c '{ [ -z "$1" ] || bash scripts/flashinfer_handoff.sh finish "$1" "$2" \
+      "$0/aot" 2>> "$0/build.err"; } && nice -n 5 python3 scripts/probe_flashinfer.py --build \
+      > "$0/build.part" 2>> "$0/build.err" && mv "$0/build.part" "$0/build.json"' \
+      "$STATE" "${HANDOFF:-}" "$FI_SITE" > /dev/null 2>&1 &
     pid=$!
     echo "$pid" > "$STATE/build.pid"
     echo "the build started in the background"
@@ -65,8 +70,8 @@ poll_build() {
   while kill -0 "$pid" 2> /dev/null && (( $(date +%s) < start + BUDGET_S )); do sleep 10; done
   [ -e "$STATE/build.json" ] && { keep_module; return 0; }
   if kill -0 "$pid" 2> /dev/null; then
-    echo "still building ($(find "$HOME"/.cache/flashinfer -path '*cached_ops/fused_moe_*' \
-      -name '*.o' 2> /dev/null | wc -l) of 248 objects): call again"
+    echo "still building ($(find "$HOME"/.cache/flashinfer "$(handoff_ws)" \
+      -path '*cached_ops/fused_moe_*' -name '*.o' 2> /dev/null | wc -l) of 248 objects): call again"
     return 1
   fi
   echo "the build failed:"; tail -20 "$STATE/build.err"
