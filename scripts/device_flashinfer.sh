@@ -15,7 +15,7 @@
 # ~/.cache/flashinfer (ninja keeps what it built if the build is started again), both kept while the
 # machine is; a call skips finished steps, the benchmark resumes from its JSON, and every call
 # copies what there is into $OUT.
-#   OUT=... COMMIT=<sha> bash scripts/device_flashinfer.sh [probe] [tests] [bench]   (default: all)
+#   OUT=... COMMIT=<sha> [AOT=DIR | HANDOFF=DIR] bash scripts/device_flashinfer.sh [probe] [tests] [bench]
 set -u
 SITE=${SITE:-/tmp/vllm-site}
 FI_SITE=${FI_SITE:-/tmp/flashinfer-site}  # first on the path: the FlashInfer the build compiled

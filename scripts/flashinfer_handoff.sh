@@ -9,7 +9,7 @@
 # commands name this machine's paths (FlashInfer's site, CUDA_HOME, tvm-ffi, the workspace);
 # finish makes each exist there as a link to its counterpart, so they run unchanged.
 #   WS=DIR bash scripts/flashinfer_handoff.sh pack OUTDIR       (WS as flashinfer_aot_build.sh's)
-#   bash scripts/flashinfer_handoff.sh finish OUTDIR SITE KEEPDIR  (SITE: FlashInfer's site there)
+#   [JOBS=N] bash scripts/flashinfer_handoff.sh finish OUTDIR SITE KEEPDIR  (SITE: FlashInfer's site there)
 set -u
 # A package's folder, found without importing it (FlashInfer's import is slow and wants a GPU).
 package_dir() {
@@ -52,8 +52,8 @@ case ${1:-} in
     split -l 1 -d -a 3 "$in/rest.sh" "$dir/rest/unit."
     cp "$in/link.sh" "$dir/rest/link.sh"  # the handoff folder may be gone by the time it links
     start=$(date +%s)
-    echo "finishing: $(wc -l < "$in/rest.sh") units on $(nproc) cores" >&2
-    find "$dir/rest" -name 'unit.*' | sort | xargs -r -P "$(nproc)" -n 1 nice -n 5 bash -e || exit 1
+    echo "finishing: $(wc -l < "$in/rest.sh") units, ${JOBS:-$(nproc)} at a time" >&2
+    find "$dir/rest" -name 'unit.*' | sort | xargs -r -P "${JOBS:-$(nproc)}" -n 1 nice -n 5 bash -e || exit 1
     bash -e "$dir/rest/link.sh" || exit 1
     echo "compiled and linked in $(( $(date +%s) - start )) s" >&2
     FLASHINFER_WORKSPACE_BASE=$ws bash "$(dirname "$0")/flashinfer_module.sh" keep "$keep" >&2 &&
