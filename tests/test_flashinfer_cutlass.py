@@ -12,6 +12,7 @@ one is installed or named by ``MOETUNE_FLASHINFER_WHEEL``) and computes what Fla
 from __future__ import annotations
 
 import ast
+import contextlib
 import enum
 import importlib.util
 import inspect
@@ -50,16 +51,16 @@ SIGNATURE = (
 REQUIRED = SIGNATURE[:7]
 
 
-def _real_source() -> str | None:
-    """``flashinfer/fused_moe/core.py`` of an installed FlashInfer or the named wheel."""
+def _real_source(path: str = "fused_moe/core.py") -> str | None:
+    """A source file of an installed FlashInfer or the named wheel (``path`` in the package)."""
     wheel = os.environ.get("MOETUNE_FLASHINFER_WHEEL")
     if wheel and Path(wheel).exists():
         with zipfile.ZipFile(wheel) as zf:
-            return zf.read("flashinfer/fused_moe/core.py").decode()
+            return zf.read(f"flashinfer/{path}").decode()
     spec = importlib.util.find_spec("flashinfer")
     if spec is None or not spec.submodule_search_locations:
         return None
-    return (Path(spec.submodule_search_locations[0]) / "fused_moe" / "core.py").read_text()
+    return (Path(spec.submodule_search_locations[0]) / path).read_text()
 
 
 @pytest.mark.skipif(_real_source() is None, reason="no FlashInfer installed or named by "
@@ -71,6 +72,17 @@ def test_the_signature_is_flashinfers():
     args = fn.args
     assert tuple(a.arg for a in args.args + args.kwonlyargs) == SIGNATURE
     assert len(args.args) - len(args.defaults) == len(REQUIRED)
+
+
+@pytest.mark.skipif(_real_source("autotuner/autotuner.py") is None, reason="no FlashInfer "
+                    "installed or named by MOETUNE_FLASHINFER_WHEEL (the 0.7.2.post1 wheel, 62 MB)")
+def test_the_autotuner_is_flashinfers():
+    """``autotune(True)``, as the kernel calls it, is FlashInfer's context: tune mode first."""
+    tree = ast.parse(_real_source("autotuner/autotuner.py"))
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "autotune")
+    assert [a.arg for a in fn.args.args][:1] == ["tune_mode"]
+    init = _real_source("autotuner/__init__.py")
+    assert "autotune," in init
 
 
 def test_without_flashinfer_the_kernel_says_so():
@@ -145,13 +157,31 @@ def stand_in(monkeypatch):
         result = out.to(a["output_dtype"])
         return a["output"].copy_(result) if a.get("output") is not None else result
 
+    tuning = []
+
+    @contextlib.contextmanager
+    def autotune(tune_mode: bool = True, *args, **kwargs):
+        tuning.append(tune_mode)
+        try:
+            yield
+        finally:
+            tuning.pop()
+
+    def tuned_call(*args, **kwargs):
+        result = cutlass_fused_moe(*args, **kwargs)
+        calls[-1]["under autotune"] = list(tuning)
+        return result
+
     fused_moe = types.ModuleType("flashinfer.fused_moe")
-    fused_moe.cutlass_fused_moe = cutlass_fused_moe
+    fused_moe.cutlass_fused_moe = tuned_call
     fused_moe.ActivationType = _ActivationType
+    autotuner = types.ModuleType("flashinfer.autotuner")
+    autotuner.autotune = autotune
     package = types.ModuleType("flashinfer")
-    package.fused_moe = fused_moe
+    package.fused_moe, package.autotuner = fused_moe, autotuner
     monkeypatch.setitem(sys.modules, "flashinfer", package)
     monkeypatch.setitem(sys.modules, "flashinfer.fused_moe", fused_moe)
+    monkeypatch.setitem(sys.modules, "flashinfer.autotuner", autotuner)
     return calls
 
 
@@ -177,6 +207,9 @@ def test_the_call_is_vllms_and_computes_the_layer(quant, stand_in):
     assert call["input"] is batch.x  # unquantized: FlashInfer quantizes block fp8 itself
     assert len(call["quant_scales"]) == (2 if block else 0)
     assert "input_sf" not in call  # vLLM passes None: FlashInfer's default
+    # The first call picks FlashInfer's tactics under its autotuner, as vLLM's warm-up does;
+    # the rest use them.
+    assert [c["under autotune"] for c in stand_in] == [[True], []]
 
 
 def test_vllms_call_uses_the_same_parameters():

@@ -4,7 +4,8 @@
 Whole layer in one call: FlashInfer permutes, runs CUTLASS grouped GEMMs (for 128x128 block fp8
 on Hopper, its DeepSeek block-scale path, which quantizes the activations itself), applies
 SwiGLU and reduces. FlashInfer JIT-compiles its CUTLASS MoE module for the device's arch with
-nvcc on first use (``fused_moe_90`` on Hopper, one module for every dtype).
+nvcc on first use (``fused_moe_90`` on Hopper, one module for every dtype), and its first call
+here picks the CUTLASS tactics with FlashInfer's autotuner, as vLLM's warm-up does.
 
 Weights: vLLM's fp8 method prepares them for that backend (``prepare_fp8_moe_layer_for_fi``):
 w13's halves swapped to [up; gate] (``swap_w13_to_w31``, block scales likewise), block scales
@@ -22,6 +23,7 @@ docs/vllm.md).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -80,6 +82,7 @@ class FlashInferCutlassKernel(BaseKernel):
 
     @classmethod
     def prepare(cls, problem: MoEProblem, params: dict[str, Any], weights: MoEWeights) -> MoEFn:
+        from flashinfer.autotuner import autotune
         from flashinfer.fused_moe import ActivationType, cutlass_fused_moe
 
         block = problem.quant is QuantScheme.FP8_BLOCK_128X128
@@ -89,14 +92,23 @@ class FlashInferCutlassKernel(BaseKernel):
             scales = [to_w31(weights.w13_scale).clamp(min=MIN_BLOCK_SCALE).contiguous(),
                       weights.w2_scale.clamp(min=MIN_BLOCK_SCALE)]
         dtype = getattr(torch, problem.dtype.value)
+        tuned = False
 
         def fn(x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                out: torch.Tensor | None = None) -> torch.Tensor:
-            result = cutlass_fused_moe(
-                input=x, token_selected_experts=topk_ids.to(torch.int),
-                token_final_scales=topk_weights, fc1_expert_weights=w13,
-                fc2_expert_weights=w2, output_dtype=dtype, quant_scales=scales, output=out,
-                use_deepseek_fp8_block_scale=block, activation_type=ActivationType.Swiglu)
+            nonlocal tuned
+            # vLLM's warm-up runs FlashInfer's ops once under its autotuner (on by default from
+            # sm_90, ``kernel_warmup.flashinfer_autotune``): each power-of-two token count up to
+            # 8192 gets its fastest CUTLASS tactics, and a call takes those of the largest such
+            # count not above its own. Without it FlashInfer runs its heuristic's tactic. The
+            # first call here tunes the same way (eagerly: the timer's warm-up calls come first).
+            with contextlib.nullcontext() if tuned else autotune(True):
+                result = cutlass_fused_moe(
+                    input=x, token_selected_experts=topk_ids.to(torch.int),
+                    token_final_scales=topk_weights, fc1_expert_weights=w13,
+                    fc2_expert_weights=w2, output_dtype=dtype, quant_scales=scales, output=out,
+                    use_deepseek_fp8_block_scale=block, activation_type=ActivationType.Swiglu)
+            tuned = True
             return out if out is not None else result
 
         return fn
