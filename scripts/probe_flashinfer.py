@@ -5,9 +5,9 @@ and its first calls cost?
 built (``fused_moe_90`` on Hopper: 248 compile units, which may outlast a 10-minute command, so
 ``scripts/device_flashinfer.sh`` runs this in the background). Without it: the import time,
 ``flashinfer_cutlass``'s verdict and, per preset (DeepSeek-V3 TP8's block-fp8 layer and Qwen3-30B's
-bf16 one by default) at ``--tokens``: the weight preparation, the first call (the module's load
-and, for block fp8, the NVRTC compile of its GEMMs), the second, and the error against the
-float32 reference. Prints one JSON object.
+bf16 one by default) at ``--tokens``: the weight preparation, the first call (the module's load,
+the autotune of its tactics as vLLM's warm-up runs it, and, for block fp8, the NVRTC compile of
+its GEMMs), the second, and the error against the float32 reference. Prints one JSON object.
 
     python3 scripts/probe_flashinfer.py --build > build.json
     python3 scripts/probe_flashinfer.py [--presets deepseek-v3,qwen3-30b-a3b] [--tokens 256]
