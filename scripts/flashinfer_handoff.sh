@@ -27,7 +27,14 @@ case ${1:-} in
     awk 'NR > 1 { print $4 }' "$dir/.ninja_log" | sort -u | while read -r o; do
       [ -e "$o" ] && echo "$o"; done > "$out/done.txt"
     ninja -C "$dir" -t commands "$so" > "$out/all.sh" || exit 1
-    grep -vF -f <(sed 's/^/-o /' "$out/done.txt") "$out/all.sh" | grep -v -- "-o $so\$" > "$out/rest.sh"
+    # The rest, longest first (by their kind's mean time in ninja's log here; a kind not built
+    # yet first of all), so that the last of the compiles running side by side there is short.
+    grep -vF -f <(sed 's/^/-o /' "$out/done.txt") "$out/all.sh" | grep -v -- "-o $so\$" |
+      awk 'function kind(p) { sub(/.*\//, "", p); gsub(/_group[0-9]+/, "", p); return p }
+        NR == FNR { if (FNR > 1) { k = kind($4); t[k] += $2 - $1; n[k]++ }; next }
+        { match($0, /-o [^ ]+/); k = kind(substr($0, RSTART + 3, RLENGTH - 3))
+          printf "%d\t%s\n", (k in n) ? t[k] / n[k] : 1e9, $0 }' "$dir/.ninja_log" - |
+      sort -s -t "$(printf '\t')" -k1,1nr | cut -f2- > "$out/rest.sh"
     tail -1 "$out/all.sh" > "$out/link.sh"
     grep -q -- "-o $so\$" "$out/link.sh" || { echo "ninja's last command is not the link"; exit 1; }
     site=$(dirname "$(package_dir flashinfer)")
