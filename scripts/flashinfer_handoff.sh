@@ -1,19 +1,39 @@
 #!/usr/bin/env bash
-# FlashInfer's fused-MoE build (fused_moe_90, scripts/flashinfer_aot_build.sh) begun on a machine
-# without a GPU and finished on the GPU machine, for a build too long for either alone: 2 cores
-# here take most of a day, and a GPU machine is held 30 minutes. `pack` takes the objects ninja
-# has finished here (those in its log; one it is still writing is left out), the generated
-# sources, and the commands of the rest and of the link, as ninja would run them; `finish`, on
-# the GPU machine, runs those commands on all its cores, links, and keeps the module
-# (scripts/flashinfer_module.sh) and puts it where FlashInfer loads it, as AOT= does. The
-# commands name this machine's paths (FlashInfer's site, CUDA_HOME, tvm-ffi, the workspace);
-# finish makes each exist there as a link to its counterpart, so they run unchanged.
-#   WS=DIR bash scripts/flashinfer_handoff.sh pack OUTDIR       (WS as flashinfer_aot_build.sh's)
-#   [JOBS=N] bash scripts/flashinfer_handoff.sh finish OUTDIR SITE KEEPDIR  (SITE: FlashInfer's site there)
+# FlashInfer's fused-MoE build (fused_moe_90, scripts/flashinfer_aot_build.sh) shared between
+# machines, for a build too long for any one: 2 cores here take most of a day, and a GPU machine
+# is held 30 minutes. `pack` takes the objects finished here (those in ninja's log, or marked
+# done by `compile`; one still being written is neither), the generated sources, and the
+# commands of the rest and of the link as ninja would run them. `compile` runs the rest's
+# commands not done yet, JOBS at a time, marking each object done (`<object>.ok`) once its
+# command has succeeded: on the GPU machine in the background while other GPU work runs,
+# longest first, and here too (ORDER=reverse: shortest first, so the two meet in the middle).
+# `collect` keeps the objects compiled there as xz chunks (for $OUT) and `merge` puts them back
+# here. `finish` compiles what is left, links, and keeps the module (scripts/flashinfer_module.sh)
+# and puts it where FlashInfer loads it, as AOT= does. The commands name this machine's paths
+# (FlashInfer's site, CUDA_HOME, tvm-ffi, the workspace); elsewhere `compile` makes each exist
+# as a link to its counterpart, so they run unchanged.
+#   WS=DIR bash scripts/flashinfer_handoff.sh pack HANDOFF      (WS as flashinfer_aot_build.sh's)
+#   [JOBS=N] [ORDER=reverse] bash scripts/flashinfer_handoff.sh compile HANDOFF SITE
+#   bash scripts/flashinfer_handoff.sh collect HANDOFF OUTDIR | merge DIR
+#   [JOBS=N] bash scripts/flashinfer_handoff.sh finish HANDOFF SITE KEEPDIR
+# (SITE: the folder FlashInfer is installed in on the machine running the command.)
 set -u
 # A package's folder, found without importing it (FlashInfer's import is slow and wants a GPU).
 package_dir() {
   python3 -c "import importlib.util as u; print(u.find_spec('$1').submodule_search_locations[0])"
+}
+# This machine made to run the handoff's commands: its paths linked to their counterparts here,
+# the finished objects and generated sources in place (once).
+set_up() {
+  # shellcheck disable=SC1091
+  . "$1/paths"
+  local cuda_here pair from to
+  cuda_here=${CUDA_HOME:-$(python3 -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME)")}
+  for pair in "$site:$2" "$cuda:$cuda_here" "$tvm:$(package_dir tvm_ffi)"; do
+    from=${pair%%:*} to=${pair#*:}
+    [ "$from" = "$to" ] || [ -e "$from" ] || { mkdir -p "$(dirname "$from")" && ln -s "$to" "$from"; }
+  done
+  [ -d "$dir/rest" ] || xz -dc "$1/objects.tar.xz" | tar -xf - -C /
 }
 case ${1:-} in
   pack)
@@ -23,8 +43,10 @@ case ${1:-} in
     [ -n "$dir" ] || { echo "no fused_moe_90 build in $ws"; exit 1; }
     so=$dir/fused_moe_90.so
     mkdir -p "$out"
-    # Finished objects: those ninja logged (it logs an edge once its command has succeeded).
-    awk 'NR > 1 { print $4 }' "$dir/.ninja_log" | sort -u | while read -r o; do
+    # Finished objects: those ninja logged (it logs an edge once its command has succeeded) and
+    # those `compile` marked.
+    { awk 'NR > 1 { print $4 }' "$dir/.ninja_log" 2> /dev/null
+      find "$dir" -name '*.o.ok' | sed 's/\.ok$//'; } | sort -u | while read -r o; do
       [ -e "$o" ] && echo "$o"; done > "$out/done.txt"
     ninja -C "$dir" -t commands "$so" > "$out/all.sh" || exit 1
     # The rest, longest first (by their kind's mean time in ninja's log here; a kind not built
@@ -45,25 +67,42 @@ case ${1:-} in
     rm "$out/all.sh"
     echo "handoff: $(wc -l < "$out/done.txt") objects built, $(wc -l < "$out/rest.sh") to build," \
       "$(du -h "$out/objects.tar.xz" | cut -f1) as xz" ;;
+  compile)
+    in=$2 there=$3
+    set_up "$in" "$there" || exit 1
+    units=$dir/rest
+    if [ ! -d "$units" ]; then
+      mkdir -p "$units.part"
+      i=0
+      while read -r line; do
+        o=$(grep -oE -- '-o [^ ]+' <<< "$line" | tail -1 | cut -c4-)
+        printf '[ -e %s.ok ] && exit 0\n%s\ntouch %s.ok\n' "$o" "$line" "$o" > "$units.part/$(printf %03d $i)"
+        i=$((i + 1))
+      done < "$in/rest.sh"
+      cp "$in/link.sh" "$units.part/link.sh"  # the handoff folder may be gone by the time it links
+      mv "$units.part" "$units"
+    fi
+    start=$(date +%s)
+    echo "compiling: $(ls "$units" | grep -vc link) units less those done, ${JOBS:-$(nproc)} at a time" >&2
+    find "$units" -name '[0-9]*' | sort ${ORDER:+-r} |
+      xargs -r -P "${JOBS:-$(nproc)}" -n 1 nice -n "${NICE:-5}" bash -e || exit 1
+    echo "compiled in $(( $(date +%s) - start )) s" >&2 ;;
+  collect)
+    # shellcheck disable=SC1091
+    . "$2/paths"
+    mkdir -p "$3"
+    find "$dir" -name '*.o.ok' | sed 's/\.ok$//' | while read -r o; do echo "$o" "$o.ok"; done |
+      tr ' ' '\n' | tar -cf - -T - 2> /dev/null | xz -T0 -6 | split -b 15M -d - "$3/built.tar.xz."
+    echo "collected $(find "$dir" -name '*.o.ok' | wc -l) objects: $(du -ch "$3"/built.tar.xz.* | tail -1 | cut -f1)" ;;
+  merge)
+    cat "$2"/built.tar.xz.* | xz -dc | tar -xf - -C / && echo "merged $(ls "$2"/built.tar.xz.* | wc -l) chunks" ;;
   finish)
     in=$2 there=$3 keep=$4
+    bash "$0" compile "$in" "$there" || exit 1
     # shellcheck disable=SC1091
     . "$in/paths"
-    cuda_there=${CUDA_HOME:-$(python3 -c "from torch.utils.cpp_extension import CUDA_HOME; print(CUDA_HOME)")}
-    for pair in "$site:$there" "$cuda:$cuda_there" "$tvm:$(package_dir tvm_ffi)"; do
-      from=${pair%%:*} to=${pair#*:}
-      [ "$from" = "$to" ] || [ -e "$from" ] || { mkdir -p "$(dirname "$from")" && ln -s "$to" "$from"; }
-    done
-    xz -dc "$in/objects.tar.xz" | tar -xf - -C / || exit 1
-    mkdir -p "$dir/rest"
-    split -l 1 -d -a 3 "$in/rest.sh" "$dir/rest/unit."
-    cp "$in/link.sh" "$dir/rest/link.sh"  # the handoff folder may be gone by the time it links
-    start=$(date +%s)
-    echo "finishing: $(wc -l < "$in/rest.sh") units, ${JOBS:-$(nproc)} at a time" >&2
-    find "$dir/rest" -name 'unit.*' | sort | xargs -r -P "${JOBS:-$(nproc)}" -n 1 nice -n 5 bash -e || exit 1
     bash -e "$dir/rest/link.sh" || exit 1
-    echo "compiled and linked in $(( $(date +%s) - start )) s" >&2
     FLASHINFER_WORKSPACE_BASE=$ws bash "$(dirname "$0")/flashinfer_module.sh" keep "$keep" >&2 &&
       bash "$(dirname "$0")/flashinfer_module.sh" restore "$keep" "$there" >&2 ;;
-  *) echo "usage: flashinfer_handoff.sh pack OUTDIR | finish OUTDIR SITE KEEPDIR"; exit 2 ;;
+  *) echo "usage: flashinfer_handoff.sh pack|compile|collect|merge|finish ..."; exit 2 ;;
 esac
