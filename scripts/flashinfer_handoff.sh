@@ -71,12 +71,14 @@ case ${1:-} in
     in=$2 there=$3
     set_up "$in" "$there" || exit 1
     units=$dir/rest
+    times=$dir/times.$(hostname).txt  # each unit's start, end and object, as it ends
     if [ ! -d "$units" ]; then
       mkdir -p "$units.part"
       i=0
       while read -r line; do
         o=$(grep -oE -- '-o [^ ]+' <<< "$line" | tail -1 | cut -c4-)
-        printf '[ -e %s.ok ] && exit 0\n%s\ntouch %s.ok\n' "$o" "$line" "$o" > "$units.part/$(printf %03d $i)"
+        printf '[ -e %s.ok ] && exit 0\nstart=$(date +%%s.%%N)\n%s\necho "$start $(date +%%s.%%N) %s" >> %s\ntouch %s.ok\n' \
+          "$o" "$line" "$o" "$times" "$o" > "$units.part/$(printf %03d $i)"
         i=$((i + 1))
       done < "$in/rest.sh"
       cp "$in/link.sh" "$units.part/link.sh"  # the handoff folder may be gone by the time it links
@@ -92,7 +94,8 @@ case ${1:-} in
     . "$2/paths"
     mkdir -p "$3"
     find "$dir" -name '*.o.ok' | sed 's/\.ok$//' | while read -r o; do echo "$o" "$o.ok"; done |
-      tr ' ' '\n' | tar -cf - -T - 2> /dev/null | xz -T0 -6 | split -b 15M -d - "$3/built.tar.xz."
+      tr ' ' '\n' | cat - <(ls "$dir"/times.*.txt 2> /dev/null) | tar -cf - -T - 2> /dev/null |
+      xz -T0 -6 | split -b 15M -d - "$3/built.tar.xz."
     echo "collected $(find "$dir" -name '*.o.ok' | wc -l) objects: $(du -ch "$3"/built.tar.xz.* | tail -1 | cut -f1)" ;;
   merge)
     cat "$2"/built.tar.xz.* | xz -dc | tar -xf - -C / && echo "merged $(ls "$2"/built.tar.xz.* | wc -l) chunks" ;;

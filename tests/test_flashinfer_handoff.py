@@ -98,6 +98,8 @@ def test_objects_compiled_elsewhere_come_back_and_count_as_done(tmp_path: Path) 
     _run("compile", str(handoff), str(here["site"]), env={**env, "JOBS": "1", "ORDER": "reverse"})
     assert (built / "c.o").read_bytes() == b"from elsewhere"
     assert (built / "b.o.ok").exists() and (built / "b.o").stat().st_size > 100
+    times = [line.split() for t in built.glob("times.*.txt") for line in t.read_text().splitlines()]
+    assert [t[2] for t in times] == [str(built / "b.o")] and float(times[0][1]) >= float(times[0][0])
 
     kept = tmp_path / "back"
     _run("collect", str(handoff), str(kept), env=env)
