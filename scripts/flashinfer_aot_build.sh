@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# FlashInfer's Hopper fused-MoE module (fused_moe_90: 248 compile units, about 6 CPU-hours of nvcc,
+# FlashInfer's Hopper fused-MoE module (fused_moe_90: 248 compile units, about 13 CPU-hours of nvcc,
 # bench/results/flashinfer-build-cpu-2026-12-07) built on a machine without a GPU, with FlashInfer's
 # own JIT spec and build, and kept for the GPU machine (scripts/flashinfer_module.sh keep: there,
 # AOT=OUTDIR bash scripts/device_flashinfer.sh loads it instead of building). What FlashInfer's
