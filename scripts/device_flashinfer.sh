@@ -15,7 +15,8 @@
 # ~/.cache/flashinfer (ninja keeps what it built if the build is started again), both kept while the
 # machine is; a call skips finished steps, the benchmark resumes from its JSON, and every call
 # copies what there is into $OUT.
-#   OUT=... COMMIT=<sha> [AOT=DIR | HANDOFF=DIR] bash scripts/device_flashinfer.sh [probe] [tests] [bench]
+#   OUT=... COMMIT=<sha> [AOT=DIR | HANDOFF=DIR] [PRESETS=.. BUCKETS=.. PROBE_PRESETS=.. TESTS_K=..] \
+#     bash scripts/device_flashinfer.sh [probe] [tests] [bench]
 set -u
 SITE=${SITE:-/tmp/vllm-site}
 FI_SITE=${FI_SITE:-/tmp/flashinfer-site}  # first on the path: the FlashInfer the build compiled
@@ -25,6 +26,10 @@ BUDGET_S=${BUDGET_S:-540}
 #: are there, memory-bound at 512-2048 tokens), at sizes from decode to the largest prefill.
 PRESETS=${PRESETS:-deepseek-v3,mixtral-8x7b,qwen3-30b-a3b}
 BUCKETS=${BUCKETS:-1,2,16,128,512,1024,2048,3072,4096}
+#: The probe's presets and the tests' -k: narrower where the module was built for fewer dtypes
+#: (scripts/flashinfer_partial_build.py; a dtype it left out aborts the process that calls it).
+PROBE_PRESETS=${PROBE_PRESETS:-deepseek-v3,qwen3-30b-a3b}
+TESTS_K=${TESTS_K:-flashinfer}
 mkdir -p "$STATE"
 export PYTHONPATH=$FI_SITE:$SITE:$HOME/site:${PYTHONPATH:-}
 export PATH=$PATH:$FI_SITE/bin  # FlashInfer's JIT runs ninja; the carried one where the image has none
@@ -91,7 +96,7 @@ for step in $steps; do
       (( built == 1 )) && break
       cat "$STATE/build.json"
       room 300 || { echo "probe: the calls in the next call"; break; }
-      timeout 300 python3 scripts/probe_flashinfer.py > "$STATE/probe.json" 2> "$STATE/probe.err" &&
+      timeout 300 python3 scripts/probe_flashinfer.py --presets "$PROBE_PRESETS" > "$STATE/probe.json" 2> "$STATE/probe.err" &&
         touch "$STATE/probe.done"
       cat "$STATE/probe.json"; tail -5 "$STATE/probe.err" ;;
     tests)
@@ -99,7 +104,7 @@ for step in $steps; do
       room 500 || { echo "tests: in the next call"; break; }
       timeout 500 python3 -m pytest -q -rs -p no:cacheprovider --junitxml="$STATE/tests.xml" \
         tests/test_flashinfer_cutlass.py tests/test_kernel_contract.py tests/test_kernels_cuda.py \
-        -k flashinfer > "$STATE/tests.txt" 2>&1 && touch "$STATE/tests.done"
+        -k "$TESTS_K" > "$STATE/tests.txt" 2>&1 && touch "$STATE/tests.done"
       tail -15 "$STATE/tests.txt" ;;
     bench)
       [ -e "$STATE/build.json" ] || { echo "bench: run probe first (the build)"; break; }
