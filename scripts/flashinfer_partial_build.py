@@ -37,13 +37,14 @@ from pathlib import Path
 
 #: C++ element type of each dtype in the generated grouped-GEMM instantiations (None: none of
 #: them), and the ``moe_gemm_kernels_<activation>_<weight>.cu`` dispatch unit of its runner.
-#: DeepSeek's 128x128 block fp8 runs FlashInfer's block-scale GEMM (``fp8_blockscale_gemm.cu``,
-#: always built) inside the fp8 runner, not the grouped fp8 instantiations.
+#: DeepSeek's 128x128 block fp8 takes bf16 activations and fp8 weights (the binding's
+#: ``CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3>``) and runs FlashInfer's block-scale GEMM
+#: (``fp8_blockscale_gemm.cu``, always built), not the grouped fp8 instantiations.
 DTYPES = {
     "bf16": ("__nv_bfloat16", "moe_gemm_kernels_bf16_bf16.cu"),
     "fp16": ("half", "moe_gemm_kernels_fp16_fp16.cu"),
     "fp8": ("__nv_fp8_e4m3", "moe_gemm_kernels_fp8_fp8.cu"),
-    "fp8-block": (None, "moe_gemm_kernels_fp8_fp8.cu"),
+    "fp8-block": (None, "moe_gemm_kernels_bf16_fp8.cu"),
 }
 ELEMENT_TYPES = re.compile(r"__nv_bfloat16|__nv_fp8_e4m3|\bhalf\b|\bfloat\b")
 #: Symbols of these namespaces must be defined in the module; others come from the libraries it

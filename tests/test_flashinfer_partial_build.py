@@ -32,7 +32,7 @@ def test_a_dtype_keeps_its_grouped_instantiations_and_runner_and_nothing_of_the_
     mixed = generated(tmp_path, "gemm_grouped_sm90_M128_Mixed_group3", ("__nv_bfloat16", "__nv_bfloat16"))
     dense = generated(tmp_path, "gemm_sm90_M64_group1", ("__nv_bfloat16", "__nv_bfloat16"))
     runners = {d: Path(f"/csrc/moe_gemm/moe_gemm_kernels_{d}.cu")
-               for d in ("bf16_bf16", "fp8_fp8", "fp16_fp16", "bf16_uint4")}
+               for d in ("bf16_bf16", "fp8_fp8", "bf16_fp8", "fp16_fp16", "bf16_uint4")}
     shared = [Path("/csrc/fp8_blockscale_gemm.cu"), Path("/csrc/flashinfer_cutlass_fused_moe_binding.cu")]
 
     def kept(*dtypes: str) -> set[Path]:
@@ -42,8 +42,8 @@ def test_a_dtype_keeps_its_grouped_instantiations_and_runner_and_nothing_of_the_
     assert kept("bf16") == {bf16, runners["bf16_bf16"], *shared}
     # The fp8 files name their fp16/bf16 outputs too: they go with fp8, not with bf16 or fp16.
     assert kept("fp8") == {fp8, runners["fp8_fp8"], *shared}
-    # Block fp8 runs the block-scale GEMM inside the fp8 runner: no grouped instantiation.
-    assert kept("bf16", "fp8-block") == {bf16, runners["bf16_bf16"], runners["fp8_fp8"], *shared}
+    # Block fp8 runs the block-scale GEMM in the bf16-by-fp8 runner: no grouped instantiation.
+    assert kept("bf16", "fp8-block") == {bf16, runners["bf16_bf16"], runners["bf16_fp8"], *shared}
     assert kept("fp16", "bf16", "fp8") == {bf16, fp16, fp8, *shared} | {
         runners[d] for d in ("bf16_bf16", "fp8_fp8", "fp16_fp16")}
 
