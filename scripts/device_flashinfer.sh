@@ -15,7 +15,8 @@
 # ~/.cache/flashinfer (ninja keeps what it built if the build is started again), both kept while the
 # machine is; a call skips finished steps, the benchmark resumes from its JSON, and every call
 # copies what there is into $OUT.
-#   OUT=... COMMIT=<sha> [AOT=DIR | HANDOFF=DIR] [PRESETS=.. BUCKETS=.. PROBE_PRESETS=.. TESTS_K=..] \
+#   OUT=... COMMIT=<sha> [AOT=DIR | HANDOFF=DIR | PARTIAL=bf16,fp16,fp8-block] [PRESETS=.. BUCKETS=..
+#     PROBE_PRESETS=.. TESTS_K=..] \
 #     bash scripts/device_flashinfer.sh [probe] [tests] [bench]
 set -u
 SITE=${SITE:-/tmp/vllm-site}
@@ -53,6 +54,21 @@ restore_module() {
   [ -n "${AOT:-}" ] && bash scripts/flashinfer_module.sh restore "$AOT" "$FI_SITE"
 }
 
+# PARTIAL=bf16,fp16,fp8-block: only those dtypes' units (scripts/flashinfer_partial_build.py, 35 of 248
+# for these three: minutes on this host's cores), in a workspace of their own, kept as above and put
+# where FlashInfer loads it, so the probe loads it instead of building the whole module.
+partial_build() {  # STATE DTYPES SITE
+  local ws=/tmp/flashinfer-partial dtypes
+  dtypes=$(echo "$2" | sed 's/\([^,]*\)/--dtypes \1/g; s/,/ /g')
+  # shellcheck disable=SC2086
+  nice -n 5 python3 scripts/flashinfer_partial_build.py $dtypes --workspace "$ws" --jobs "$(nproc)" \
+    >> "$1/build.err" 2>&1 \
+    && FLASHINFER_WORKSPACE_BASE=$ws bash scripts/flashinfer_module.sh keep "$1/aot" \
+    && cp "$(find "$ws/" -name partial.json | head -1)" "$1/aot/" \
+    && bash scripts/flashinfer_module.sh restore "$1/aot" "$3"
+}
+export -f partial_build
+
 # The background build: 0 once build.json is there, 1 while it runs, 2 if it failed.
 poll_build() {
   [ -e "$STATE/build.json" ] && { keep_module; return 0; }
@@ -65,9 +81,10 @@ poll_build() {
   else
     date -u +%H:%M:%S > "$STATE/build.started"
     setsid nohup bash -c '{ [ -z "$1" ] || bash scripts/flashinfer_handoff.sh finish "$1" "$2" \
-      "$0/aot" 2>> "$0/build.err"; } && nice -n 5 python3 scripts/probe_flashinfer.py --build \
+      "$0/aot" 2>> "$0/build.err"; } && { [ -z "$3" ] || partial_build "$0" "$3" "$2"; } \
+      && nice -n 5 python3 scripts/probe_flashinfer.py --build \
       > "$0/build.part" 2>> "$0/build.err" && mv "$0/build.part" "$0/build.json"' \
-      "$STATE" "${HANDOFF:-}" "$FI_SITE" > /dev/null 2>&1 &
+      "$STATE" "${HANDOFF:-}" "$FI_SITE" "${PARTIAL:-}" > /dev/null 2>&1 &
     pid=$!
     echo "$pid" > "$STATE/build.pid"
     echo "the build started in the background"

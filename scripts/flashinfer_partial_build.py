@@ -17,10 +17,11 @@ module links with every symbol of its own namespaces defined, loads anywhere the
 would, and a call into a dtype not built fails loudly instead of running something else.
 
     CUDA_HOME=DIR PYTHONPATH=<flashinfer and apache-tvm-ffi> python scripts/flashinfer_partial_build.py \\
-        --dtypes bf16 [--dtypes fp8] [--workspace WS] [--jobs 2]
+        --dtypes bf16 [--dtypes fp16 --dtypes fp8-block] [--workspace WS] [--jobs 2]
     FLASHINFER_WORKSPACE_BASE=WS bash scripts/flashinfer_module.sh keep OUTDIR
 
-``CUDA_HOME`` as for ``scripts/flashinfer_aot_build.sh``. Resumable (ninja keeps each object in
+``CUDA_HOME`` as for ``scripts/flashinfer_aot_build.sh`` (``scripts/flashinfer_cuda_home.sh`` makes
+one); unset, FlashInfer finds the CUDA it would build with (the GPU machine's). Resumable (ninja keeps each object in
 the workspace), and adding a dtype later rebuilds only its units and the stubs. Writes
 ``partial.json`` (dtypes, units built, symbols stubbed) beside the module.
 """
@@ -101,7 +102,8 @@ def main() -> None:
     args = parser.parse_args()
     os.environ.update(FLASHINFER_WORKSPACE_BASE=args.workspace, FLASHINFER_CUDA_ARCH_LIST="9.0a",
                       MAX_JOBS=str(args.jobs))
-    os.environ["PATH"] = f"{os.environ['CUDA_HOME']}/bin:{os.environ['PATH']}"
+    if os.environ.get("CUDA_HOME"):
+        os.environ["PATH"] = f"{os.environ['CUDA_HOME']}/bin:{os.environ['PATH']}"
     from flashinfer.jit.fused_moe import gen_cutlass_fused_moe_sm90_module
 
     spec = gen_cutlass_fused_moe_sm90_module()
