@@ -54,7 +54,7 @@ restore_module() {
   [ -n "${AOT:-}" ] && bash scripts/flashinfer_module.sh restore "$AOT" "$FI_SITE"
 }
 
-# PARTIAL=bf16,fp16,fp8-block: only those dtypes' units (scripts/flashinfer_partial_build.py, 35 of 248
+# PARTIAL=bf16,fp16,fp8-block: only those dtypes' units (scripts/flashinfer_partial_build.py, 44 of 248
 # for these three: minutes on this host's cores), in a workspace of their own, kept as above and put
 # where FlashInfer loads it, so the probe loads it instead of building the whole module.
 partial_build() {  # STATE DTYPES SITE

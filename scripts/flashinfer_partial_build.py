@@ -6,8 +6,9 @@ FlashInfer builds one module for every dtype its CUTLASS MoE takes: 248 compile 
 CPU-hours (bench/results/flashinfer-build-cpu-2026-12-07), most of them GEMM instantiations of
 dtypes a given layer never runs (fp16, fp32, int4/int8 and fp4 mixed inputs). This builds
 FlashInfer's own spec (``gen_cutlass_fused_moe_sm90_module``: its sources, flags and ninja build,
-unchanged) less those: the generated grouped-GEMM files whose element types are not asked for,
-the mixed-input and dense (fpA_intB) instantiations, and the ``moe_gemm_kernels_<a>_<w>.cu``
+unchanged) less those: the generated grouped-GEMM files whose element types are not asked for
+(Ampere's fused gated kernels are kept for bf16 and fp16: Hopper's tactics run them too), the
+mixed-input and dense (fpA_intB) instantiations, and the ``moe_gemm_kernels_<a>_<w>.cu``
 dispatch units of other type pairs. What is built is FlashInfer's code for those dtypes, every
 tile shape and tactic its autotuner chooses among included, so its speed is the full module's.
 
@@ -20,10 +21,11 @@ would, and a call into a dtype not built fails loudly instead of running somethi
         --dtypes bf16 [--dtypes fp16 --dtypes fp8-block] [--workspace WS] [--jobs 2]
     FLASHINFER_WORKSPACE_BASE=WS bash scripts/flashinfer_module.sh keep OUTDIR
 
-``CUDA_HOME`` as for ``scripts/flashinfer_aot_build.sh`` (``scripts/flashinfer_cuda_home.sh`` makes
-one); unset, FlashInfer finds the CUDA it would build with (the GPU machine's). Resumable (ninja keeps each object in
-the workspace), and adding a dtype later rebuilds only its units and the stubs. Writes
-``partial.json`` (dtypes, units built, symbols stubbed) beside the module.
+``CUDA_HOME`` as for ``scripts/flashinfer_aot_build.sh`` (``scripts/flashinfer_cuda_home.sh``
+makes one); unset, FlashInfer finds the CUDA it would build with (the GPU machine's).
+Resumable (ninja keeps each object in the workspace), and adding a dtype later rebuilds only its
+units and the stubs. Writes ``partial.json`` (dtypes, units built, symbols stubbed) beside the
+module.
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ DTYPES = {
     "fp8-block": (None, "moe_gemm_kernels_bf16_fp8.cu"),
 }
 ELEMENT_TYPES = re.compile(r"__nv_bfloat16|__nv_fp8_e4m3|\bhalf\b|\bfloat\b")
+#: The Ampere fused gated-activation kernels name CUTLASS's types. Hopper runs them too: the
+#: autotuner's tactics for bf16 and fp16 include Ampere configs, and with SwiGLU such a tactic
+#: runs ``sm80_generic_fused_moe_gemm_kernelLauncher`` (``isFusedGatedActivation``).
+SM80_TYPES = {"cutlass::half_t": "half", "cutlass::bfloat16_t": "__nv_bfloat16"}
 #: Symbols of these namespaces must be defined in the module; others come from the libraries it
 #: links (CUDA runtime, driver, NVRTC, the C++ runtime) or from the process (tvm-ffi).
 OWN_NAMESPACES = re.compile(r"^_ZNK?\d+(tensorrt_llm|cutlass|flashinfer)")
@@ -61,6 +67,9 @@ def wanted(source: Path, dtypes: list[str]) -> bool:
     """Whether a unit of FlashInfer's spec is built for ``dtypes``."""
     name = source.name
     types = {DTYPES[d][0] for d in dtypes} - {None}
+    if name.endswith(".generated.cu") and "_grouped_sm80_" in name:
+        found = {SM80_TYPES[t] for t in re.findall(r"cutlass::(?:half|bfloat16)_t", source.read_text())}
+        return bool(found & types)
     if name.endswith(".generated.cu"):
         if "_grouped_sm90_" not in name or "_Mixed_" in name:
             return False

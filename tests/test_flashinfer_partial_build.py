@@ -30,21 +30,26 @@ def test_a_dtype_keeps_its_grouped_instantiations_and_runner_and_nothing_of_the_
     fp8 = generated(tmp_path, "gemm_grouped_sm90_M128_group21",
                     ("__nv_fp8_e4m3", "half"), ("__nv_fp8_e4m3", "__nv_bfloat16"))
     mixed = generated(tmp_path, "gemm_grouped_sm90_M128_Mixed_group3", ("__nv_bfloat16", "__nv_bfloat16"))
+    # Ampere's fused gated kernels, which Hopper's tactics include: CUTLASS's type names, mixed.
+    ampere_both = generated(tmp_path, "gemm_grouped_sm80_M16_group1",
+                            ("cutlass::bfloat16_t", "cutlass::bfloat16_t"), ("cutlass::half_t", "cutlass::half_t"))
+    ampere_fp16 = generated(tmp_path, "gemm_grouped_sm80_M16_group0", ("cutlass::half_t", "cutlass::half_t"))
     dense = generated(tmp_path, "gemm_sm90_M64_group1", ("__nv_bfloat16", "__nv_bfloat16"))
     runners = {d: Path(f"/csrc/moe_gemm/moe_gemm_kernels_{d}.cu")
                for d in ("bf16_bf16", "fp8_fp8", "bf16_fp8", "fp16_fp16", "bf16_uint4")}
     shared = [Path("/csrc/fp8_blockscale_gemm.cu"), Path("/csrc/flashinfer_cutlass_fused_moe_binding.cu")]
 
     def kept(*dtypes: str) -> set[Path]:
-        units = [bf16, fp16, fp32, fp8, mixed, dense, *runners.values(), *shared]
+        units = [bf16, fp16, fp32, fp8, mixed, dense, ampere_both, ampere_fp16, *runners.values(),
+                 *shared]
         return {u for u in units if partial.wanted(u, list(dtypes))}
 
-    assert kept("bf16") == {bf16, runners["bf16_bf16"], *shared}
+    assert kept("bf16") == {bf16, ampere_both, runners["bf16_bf16"], *shared}
     # The fp8 files name their fp16/bf16 outputs too: they go with fp8, not with bf16 or fp16.
     assert kept("fp8") == {fp8, runners["fp8_fp8"], *shared}
     # Block fp8 runs the block-scale GEMM in the bf16-by-fp8 runner: no grouped instantiation.
-    assert kept("bf16", "fp8-block") == {bf16, runners["bf16_bf16"], runners["bf16_fp8"], *shared}
-    assert kept("fp16", "bf16", "fp8") == {bf16, fp16, fp8, *shared} | {
+    assert kept("fp8-block") == {runners["bf16_fp8"], *shared}
+    assert kept("fp16", "bf16", "fp8") == {bf16, fp16, fp8, ampere_both, ampere_fp16, *shared} | {
         runners[d] for d in ("bf16_bf16", "fp8_fp8", "fp16_fp16")}
 
 
