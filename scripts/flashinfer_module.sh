@@ -29,6 +29,6 @@ case ${1:-} in
     if ! echo "$(head -1 "$dir/SHA256SUMS" | cut -d' ' -f1)  $dest" | sha256sum -c --quiet; then
       rm -f "$dest"; echo "the kept module's checksum differs"; exit 1
     fi
-    echo "FlashInfer's $name from $dir: loaded, not built" ;;
+    echo "FlashInfer's $name from $dir: in place, FlashInfer loads it instead of building" ;;
   *) echo "usage: flashinfer_module.sh keep DIR | restore DIR SITE"; exit 2 ;;
 esac
