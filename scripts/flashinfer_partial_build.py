@@ -38,47 +38,47 @@ import subprocess
 import time
 from pathlib import Path
 
-#: C++ element type of each dtype in the generated grouped-GEMM instantiations (None: none of
-#: them), and the ``moe_gemm_kernels_<activation>_<weight>.cu`` dispatch unit of its runner.
+#: The ``moe_gemm_kernels_<activation>_<weight>.cu`` dispatch unit of each dtype's runner.
 #: DeepSeek's 128x128 block fp8 takes bf16 activations and fp8 weights (the binding's
 #: ``CutlassMoeFCRunner<__nv_bfloat16, __nv_fp8_e4m3>``) and runs FlashInfer's block-scale GEMM
-#: (``fp8_blockscale_gemm.cu``, always built), not the grouped fp8 instantiations.
-DTYPES = {
-    "bf16": ("__nv_bfloat16", "moe_gemm_kernels_bf16_bf16.cu"),
-    "fp16": ("half", "moe_gemm_kernels_fp16_fp16.cu"),
-    "fp8": ("__nv_fp8_e4m3", "moe_gemm_kernels_fp8_fp8.cu"),
-    "fp8-block": (None, "moe_gemm_kernels_bf16_fp8.cu"),
+#: (``fp8_blockscale_gemm.cu``, always built), none of the generated instantiations.
+RUNNERS = {
+    "bf16": "moe_gemm_kernels_bf16_bf16.cu",
+    "fp16": "moe_gemm_kernels_fp16_fp16.cu",
+    "fp8": "moe_gemm_kernels_fp8_fp8.cu",
+    "fp8-block": "moe_gemm_kernels_bf16_fp8.cu",
 }
-ELEMENT_TYPES = re.compile(r"__nv_bfloat16|__nv_fp8_e4m3|\bhalf\b|\bfloat\b")
-#: The Ampere fused gated-activation kernels name CUTLASS's types. Hopper runs them too: the
-#: autotuner's tactics for bf16 and fp16 include Ampere configs, and with SwiGLU such a tactic
-#: runs ``sm80_generic_fused_moe_gemm_kernelLauncher`` (``isFusedGatedActivation``).
-SM80_TYPES = {"cutlass::half_t": "half", "cutlass::bfloat16_t": "__nv_bfloat16"}
+#: The element types a generated file instantiates, by either spelling: the Hopper grouped GEMMs
+#: name CUDA's types, the Ampere fused gated-activation kernels CUTLASS's.
+ELEMENT_TYPES = {"__nv_bfloat16": "bf16", "cutlass::bfloat16_t": "bf16", "half": "fp16",
+                 "cutlass::half_t": "fp16", "__nv_fp8_e4m3": "fp8", "float": "fp32"}
+ELEMENT_TYPE = re.compile(r"cutlass::(?:bfloat16|half)_t|__nv_bfloat16|__nv_fp8_e4m3|\bhalf\b|\bfloat\b")
 #: Symbols of these namespaces must be defined in the module; others come from the libraries it
 #: links (CUDA runtime, driver, NVRTC, the C++ runtime) or from the process (tvm-ffi).
 OWN_NAMESPACES = re.compile(r"^_ZNK?\d+(tensorrt_llm|cutlass|flashinfer)")
 
 
 def element_types(source: Path) -> set[str]:
-    return set(ELEMENT_TYPES.findall(source.read_text()))
+    return {ELEMENT_TYPES[t] for t in ELEMENT_TYPE.findall(source.read_text())}
 
 
 def wanted(source: Path, dtypes: list[str]) -> bool:
     """Whether a unit of FlashInfer's spec is built for ``dtypes``."""
     name = source.name
-    types = {DTYPES[d][0] for d in dtypes} - {None}
-    if name.endswith(".generated.cu") and "_grouped_sm80_" in name:
-        found = {SM80_TYPES[t] for t in re.findall(r"cutlass::(?:half|bfloat16)_t", source.read_text())}
-        return bool(found & types)
-    if name.endswith(".generated.cu"):
-        if "_grouped_sm90_" not in name or "_Mixed_" in name:
-            return False
-        found = element_types(source)
-        # An fp8 file also names its fp16/bf16 output types; a bf16 file names bf16 alone.
-        return "__nv_fp8_e4m3" in types if "__nv_fp8_e4m3" in found else bool(found) and found <= types
     if name.startswith("moe_gemm_kernels_"):
-        return name in {DTYPES[d][1] for d in dtypes}
-    return True
+        return name in {RUNNERS[d] for d in dtypes}
+    if not name.endswith(".generated.cu"):
+        return True
+    found = element_types(source)
+    if "_grouped_sm80_" in name:
+        # Hopper runs these too: its bf16/fp16 tactics include Ampere configs, and with SwiGLU
+        # such a tactic runs ``sm80_generic_fused_moe_gemm_kernelLauncher``. A file mixes both
+        # dtypes, so it is kept for either.
+        return bool(found & set(dtypes))
+    if "_grouped_sm90_" not in name or "_Mixed_" in name:
+        return False
+    # An fp8 file also names its fp16/bf16 output types; a bf16 file names bf16 alone.
+    return "fp8" in dtypes if "fp8" in found else bool(found) and found <= set(dtypes)
 
 
 def undefined_own_symbols(library: Path) -> list[str]:
@@ -98,14 +98,12 @@ def write_stubs(path: Path, symbols: list[str]) -> None:
     for i, symbol in enumerate(symbols):
         lines += [f'extern "C" void unbuilt_{i}() __asm__("{symbol}");',
                   f'extern "C" void unbuilt_{i}() {{ unbuilt("{symbol}"); }}']
-    text = "\n".join(lines) + "\n"
-    if not path.exists() or path.read_text() != text:
-        path.write_text(text)
+    path.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dtypes", action="append", choices=sorted(DTYPES), required=True)
+    parser.add_argument("--dtypes", action="append", choices=sorted(RUNNERS), required=True)
     parser.add_argument("--workspace", default="/tmp/flashinfer-aot")
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
@@ -119,7 +117,6 @@ def main() -> None:
     everything = list(spec.sources)
     spec.sources[:] = [s for s in everything if wanted(s, args.dtypes)]
     stubs = spec.build_dir / "unbuilt_kernels.cpp"
-    spec.build_dir.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
     # First link without stubs to learn what the left-out units would define, then with them.
     stubs.unlink(missing_ok=True)
